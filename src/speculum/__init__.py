@@ -1,0 +1,34 @@
+"""speculum: lossless speculative decoding for Hugging Face causal language models."""
+
+from speculum.api import GenerationResult, GenerationStream, Speculum, StreamChunk, load
+from speculum.engine import Stats
+from speculum.errors import (
+    IncompatibleDraftError,
+    InvalidInputError,
+    ModelLoadError,
+    PoolFileError,
+    SpeculumError,
+    UnknownMethodError,
+)
+from speculum.methods import METHODS, SpeculativeConfig
+from speculum.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "GenerationResult",
+    "GenerationStream",
+    "IncompatibleDraftError",
+    "InvalidInputError",
+    "ModelLoadError",
+    "PoolFileError",
+    "SamplingParams",
+    "Speculum",
+    "SpeculativeConfig",
+    "SpeculumError",
+    "Stats",
+    "StreamChunk",
+    "UnknownMethodError",
+    "load",
+]

@@ -1,0 +1,190 @@
+"""The public surface: ``load()`` a target (and optionally a draft), then ``generate()``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculum import engine
+from speculum.errors import InvalidInputError
+from speculum.methods import SpeculativeConfig
+from speculum.sampling import SamplingParams
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only
+    prompt_ids: list[int]
+    stats: engine.Stats
+    method: str = ""
+
+
+@dataclass
+class StreamChunk:
+    text: str  # the new text since the previous chunk
+    token_ids: list[int]  # the tokens committed in this step
+
+
+@dataclass
+class GenerationStream:
+    """Iterate for text chunks as tokens are accepted; ``result`` is set once the stream ends."""
+
+    _chunks: Iterator[StreamChunk]
+    result: GenerationResult | None = field(default=None)
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self._chunks
+
+
+class Speculum:
+    """A loaded target model (and optional draft) ready to generate with any method."""
+
+    def __init__(self, model, tokenizer, draft_model=None, draft_tokenizer=None, *, name: str = "", draft_name=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.draft_model = draft_model
+        self.draft_tokenizer = draft_tokenizer
+        self.name = name
+        self.draft_name = draft_name
+        self.runner = engine.TargetRunner(model)
+        self._drafters: dict[tuple, Any] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        generation_config = getattr(self.model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos is not None:
+            ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: raw text, chat messages (chat template applied) or ids as they are."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidInputError("the prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidInputError("this model's tokenizer has no chat template; pass the prompt as text")
+            for message in prompt:
+                if "role" not in message or "content" not in message:
+                    raise InvalidInputError("each chat message needs a 'role' and a 'content'")
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise InvalidInputError(f"token ids must be in [0, {self.vocab_size})")
+            return list(prompt)
+        raise InvalidInputError("the prompt must be non-empty text, a list of chat messages, or a list of token ids")
+
+    def drafter_for(self, config: SpeculativeConfig):
+        """Drafters are built once per configuration and reused (their per-request state resets in start())."""
+        key = config.key()
+        if key not in self._drafters:
+            cls = config.drafter_class()
+            self._drafters[key] = cls(
+                config.options(),
+                draft_model=self.draft_model,
+                vocab_size=self.vocab_size,
+                model_key=self.name,
+            )
+        return self._drafters[key]
+
+    def generate(
+        self,
+        prompt: Prompt,
+        method: str | SpeculativeConfig = "autoregressive",
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stream: bool = False,
+        **method_params: Any,
+    ) -> GenerationResult | GenerationStream:
+        config = SpeculativeConfig.coerce(method, **method_params)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        prompt_ids = self.encode_prompt(prompt)
+        drafter = self.drafter_for(config)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        stats = engine.Stats()
+        steps = engine.run(
+            self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats
+        )
+        if not stream:
+            new_ids = [token for step in steps for token in step]
+            return GenerationResult(self.decode(new_ids), new_ids, prompt_ids, stats, config.method)
+        holder = GenerationStream(iter(()))
+        holder._chunks = self._stream(steps, prompt_ids, stats, config.method, holder)
+        return holder
+
+    def _stream(self, steps, prompt_ids, stats, method, holder: GenerationStream) -> Iterator[StreamChunk]:
+        new_ids: list[int] = []
+        shown = ""
+        for step in steps:
+            new_ids.extend(step)
+            text = self.decode(new_ids)
+            # Hold back an incomplete multi-byte character until the next tokens complete it.
+            if text.endswith("\ufffd"):
+                yield StreamChunk("", step)
+                continue
+            delta = text[len(shown) :] if text.startswith(shown) else text
+            shown = text
+            yield StreamChunk(delta, step)
+        text = self.decode(new_ids)
+        if len(text) > len(shown) and text.startswith(shown):
+            yield StreamChunk(text[len(shown) :], [])
+        holder.result = GenerationResult(text, new_ids, prompt_ids, stats, method)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def load(
+    model: str | None = None,
+    draft: str | None = None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    draft_device: str | None = None,
+    gguf_file: str | None = None,
+) -> Speculum:
+    """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
+
+    ``draft`` is another model (same tokenizer) or ``"self:N"``: the target's own first N layers
+    with its final norm and LM head (no extra weights). ``draft_device`` puts the draft elsewhere.
+    """
+    from speculum import models
+
+    name = model or models.DEFAULT_MODEL
+    target, tokenizer = models.load_model(name, dtype=dtype, device=device, gguf_file=gguf_file)
+    draft_model = draft_tokenizer = None
+    if draft:
+        self_layers = models.parse_draft_spec(draft)
+        if self_layers is not None:
+            draft_model, draft_tokenizer = models.make_self_draft(target, self_layers), tokenizer
+        else:
+            draft_model, draft_tokenizer = models.load_model(draft, dtype=dtype, device=draft_device or device)
+            models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
+    return Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)

@@ -1,0 +1,1 @@
+"""Drafters: one file each, behind the protocol in ``base.py``."""

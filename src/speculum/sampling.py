@@ -1,0 +1,67 @@
+"""Sampling parameters and the one warping function shared by the target and every drafter.
+
+Losslessness under sampling means: the output follows the target's distribution *after* the
+same temperature / top-k / top-p warping that plain sampling would apply. The verifier warps
+the target's logits and stochastic drafters warp theirs with this exact function, using
+transformers' own logits warpers so the semantics match ``generate(do_sample=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from speculum.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy decoding; top_k 0 and top_p 1.0 mean "no filter"."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise InvalidInputError(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidInputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def warpers(self) -> LogitsProcessorList:
+        chain = LogitsProcessorList()
+        if self.temperature != 1.0:
+            chain.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            chain.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            chain.append(TopPLogitsWarper(self.top_p))
+        return chain
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities ``[n, vocab]`` (float32) of the warped distribution for each row of ``logits``."""
+    scores = logits.float().reshape(-1, logits.shape[-1])
+    scores = params.warpers()(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
