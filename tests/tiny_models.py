@@ -20,23 +20,40 @@ def tiny_config(arch: str, vocab_size: int = VOCAB):
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
         return LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **common,
         )
     if arch == "qwen2":
         return Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **common,
         )
     if arch == "gemma3":
         # sliding window (6) shorter than the test sequences; layers alternate sliding / full.
         return Gemma3TextConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, sliding_window=6, max_position_embeddings=256,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=6,
+            max_position_embeddings=256,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            **common,
         )
     if arch == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2, **common)
     raise ValueError(arch)
 
 
@@ -49,8 +66,9 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 
     config._attn_implementation = "sdpa" if arch != "gpt2" else "eager"
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     # Sharpen the output so argmax is far from ties and the model loops on repetitive text.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(4.0)
+    if not getattr(config, "tie_word_embeddings", False):
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(4.0)
     model.generation_config.eos_token_id = None  # tests control the length
     return model
 
@@ -74,7 +92,11 @@ def repetitive_prompt(length: int = 24, period: int = 5, seed: int = 0) -> list[
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own plain greedy decoding: the output every method must reproduce exactly."""
     out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

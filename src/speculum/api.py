@@ -54,6 +54,7 @@ class Speculum:
         self.draft_name = draft_name
         self.runner = engine.TargetRunner(model)
         self._drafters: dict[tuple, Any] = {}
+        self._vocab_key: str | None = None
         self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> frozenset[int]:
@@ -92,6 +93,15 @@ class Speculum:
             return list(prompt)
         raise InvalidInputError("the prompt must be non-empty text, a list of chat messages, or a list of token ids")
 
+    @property
+    def vocab_key(self) -> str:
+        """Identifies the tokenizer's vocabulary: saved n-gram/phrase pools are only reused under the same one."""
+        if self._vocab_key is None:
+            from speculum.models import vocab_fingerprint
+
+            self._vocab_key = vocab_fingerprint(self.tokenizer) if self.tokenizer is not None else self.name
+        return self._vocab_key
+
     def drafter_for(self, config: SpeculativeConfig):
         """Drafters are built once per configuration and reused (their per-request state resets in start())."""
         key = config.key()
@@ -101,7 +111,7 @@ class Speculum:
                 config.options(),
                 draft_model=self.draft_model,
                 vocab_size=self.vocab_size,
-                model_key=self.name,
+                model_key=self.vocab_key,
             )
         return self._drafters[key]
 

@@ -29,6 +29,7 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)  # transformers 5.x: a negative count removes that many positions
 
 
+@torch.inference_mode()
 def keep_path(cache: DynamicCache, past_length: int, nodes: list[int]) -> None:
     """After a tree forward, keep the rows of ``nodes`` (tree indices, ascending) after the prefix.
 

@@ -1,0 +1,137 @@
+"""The verification cost curve t(K): one target forward over K new tokens after a cache of P tokens.
+
+Speculative decoding pays off only when verifying K drafted tokens costs about as much as decoding
+one. This measures that directly, for each dtype, with the LM head over all K positions (what a
+verifier needs) and over the last position only (``logits_to_keep=1``, what plain decoding needs):
+
+    python benchmarks/verify_cost.py gemma-3-270m
+    python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes float32,bfloat16 --prefix 300 --reps 5
+
+Prints a markdown table (median ms and ratio to K=1) with a machine/date/command header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+from speculum.bench.report import machine_info, now_iso
+
+
+def prompt_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
+    """``length`` token ids of real text (HumanEval prompts), or seeded random ids without a tokenizer."""
+    if tokenizer is not None:
+        from speculum.bench.datasets import load_humaneval
+
+        ids: list[int] = []
+        for p in load_humaneval(None):
+            ids.extend(tokenizer(p.raw, add_special_tokens=False)["input_ids"])
+            if len(ids) >= length + 64:
+                break
+        if len(ids) >= length + 64:
+            return ids[: length + 64]
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(10, vocab_size, (length + 64,), generator=gen).tolist()
+
+
+@torch.inference_mode()
+def measure(model, ids: list[int], prefix: int, ks: list[int], reps: int, last_only: bool) -> dict[int, float]:
+    """Median seconds of one forward over K tokens after a ``prefix``-token cache, per K."""
+    device = model.device
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([ids[:prefix]], device=device), past_key_values=cache, use_cache=True)
+    extra = {"logits_to_keep": 1} if last_only else {}
+    out: dict[int, float] = {}
+    for k in ks:
+        x = torch.tensor([ids[prefix : prefix + k]], device=device)
+        times = []
+        for rep in range(reps + 1):  # the first run is a warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(input_ids=x, past_key_values=cache, use_cache=True, **extra)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            cache.crop(-k)
+            if rep:
+                times.append(dt)
+        assert cache.get_seq_length() == prefix
+        out[k] = statistics.median(times)
+    return out
+
+
+def table(rows: list[tuple[str, str, dict[int, float]]], ks: list[int]) -> str:
+    lines = [
+        "| dtype | LM head | " + " | ".join(f"K={k}" for k in ks) + " |",
+        "|---|---|" + "---:|" * len(ks),
+    ]
+    for dtype, head, t in rows:
+        base = t[ks[0]]
+        cells = [f"{1000 * t[k]:.1f} ms (×{t[k] / base:.2f})" for k in ks]
+        lines.append(f"| {dtype} | {head} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default="gemma-3-270m", help="alias, hub id or local path")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    ap.add_argument("--prefix", type=int, default=300, help="tokens already in the cache (P)")
+    ap.add_argument("--ks", default="1,2,4,8,16,32", help="comma-separated K values")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per K (median reported)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--heads", default="all,last", help="all (LM head on all K positions), last (logits_to_keep=1)")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    heads = [h.strip() for h in args.heads.split(",")]
+    if any(h not in ("all", "last") for h in heads):
+        ap.error("--heads takes all and/or last")
+
+    from speculum import models
+
+    mach = machine_info()
+    given = argv if argv is not None else sys.argv[1:]
+    header = [
+        "# verification cost t(K)",
+        "",
+        f"- command: `{shlex.join(['python', 'benchmarks/verify_cost.py', *given])}`",
+        f"- date: {now_iso()}",
+        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
+        f"transformers {mach.get('transformers')}",
+        f"- model: `{args.model}`; device {args.device}; cache of P = {args.prefix} tokens; "
+        f"median of {args.reps} runs (after 1 warm-up); ratios are to K = {ks[0]}",
+        "",
+    ]
+    rows = []
+    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        model, tokenizer = models.load_model(args.model, dtype=dtype, device=args.device)
+        model.eval()
+        vocab = model.get_output_embeddings().weight.shape[0]
+        ids = prompt_ids(tokenizer, vocab, args.prefix + max(ks))
+        for head in heads:
+            t = measure(model, ids, args.prefix, ks, args.reps, last_only=head == "last")
+            rows.append(
+                (str(model.dtype).replace("torch.", ""), "all K positions" if head == "all" else "last only", t)
+            )
+            print(
+                f"{rows[-1][0]} / {rows[-1][1]}: " + ", ".join(f"K={k} {1000 * v:.1f} ms" for k, v in t.items()),
+                file=sys.stderr,
+            )
+        del model
+    print("\n".join(header) + "\n" + table(rows, ks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

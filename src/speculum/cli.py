@@ -1,0 +1,163 @@
+"""Command line: ``speculum generate``, ``speculum models``, ``speculum bench``.
+
+Every error a user can cause ends in one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from speculum.errors import SpeculumError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Lossless speculative decoding for Hugging Face causal language models.",
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def parse_params(items: list[str]) -> dict:
+    """``key=value`` pairs with typed values (int, float, bool, null, str)."""
+    from speculum.bench.runner import parse_value
+
+    params = {}
+    for item in items:
+        if "=" not in item:
+            fail(f"--param expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        params[key.strip().replace("-", "_")] = parse_value(value.strip())
+    return params
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text ('-' reads stdin).")],
+    model: Annotated[str, typer.Option(help="Packaged alias, hub id, local path or .gguf file.")] = "gemma-3-270m",
+    draft: Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")] = None,
+    method: Annotated[str, typer.Option(help="autoregressive, draft_model, prompt_lookup, anpd, ...")] = "anpd",
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(help="Draft length K (method default if unset).")
+    ] = None,
+    param: Annotated[list[str] | None, typer.Option(help="Method parameter key=value (repeatable).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the chat template (when the model has one).")] = False,
+    stream: Annotated[bool, typer.Option(help="Print text as tokens are accepted.")] = True,
+    stats: Annotated[bool, typer.Option(help="Print speculation statistics.")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    gguf_file: Annotated[str | None, typer.Option(help="GGUF file name inside --model.")] = None,
+) -> None:
+    """Generate text with a speculative method; the output equals plain decoding."""
+    import speculum
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        config = speculum.SpeculativeConfig(method, num_speculative_tokens, **parse_params(param or []))
+        speculum.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if not prompt.strip():
+            fail("the prompt is empty")
+        with err.status(f"loading {model}" + (f" + {draft}" if draft else "")):
+            spec = speculum.load(model, draft, dtype=dtype, device=device, gguf_file=gguf_file)
+        text_or_messages = [{"role": "user", "content": prompt}] if chat else prompt
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if stream and not json_output:
+            result_stream = spec.generate(text_or_messages, config, stream=True, **kwargs)
+            for chunk in result_stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            result = result_stream.result
+        else:
+            result = spec.generate(text_or_messages, config, **kwargs)
+            if not json_output:
+                print(result.text)
+    except SpeculumError as error:
+        fail(str(error))
+    if json_output:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+    elif stats:
+        print_stats(result, config)
+
+
+def print_stats(result, config) -> None:
+    s = result.stats
+    table = Table(title=f"{config!r}", show_header=False, title_justify="left")
+    rows = [
+        ("new tokens", f"{s.new_tokens} ({s.stop_reason})"),
+        ("tokens/s", f"{s.tokens_per_second:.2f}"),
+        ("mean acceptance length", f"{s.mean_acceptance_length:.2f} tokens per target forward"),
+        ("draft acceptance rate", f"{s.draft_acceptance_rate:.1%} ({s.accepted_tokens}/{s.drafted_tokens})"),
+        ("acceptance per position", " ".join(f"{a:.2f}" for a in s.acceptance_per_position[:12]) or "-"),
+        ("target / draft forwards", f"{s.target_forwards} / {s.draft_forwards}"),
+        ("discard rate / verification rate", f"{s.discard_rate:.2f} / {s.verification_rate:.2f}"),
+        (
+            "time: prefill / draft / verify / other",
+            f"{s.time_prefill:.2f}s / {s.time_draft:.2f}s / {s.time_verify:.2f}s / {s.time_other:.2f}s "
+            f"(wall {s.wall_time:.2f}s)",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    err.print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the packaged model aliases and whether they are installed."""
+    from speculum.models import list_models
+
+    table = Table()
+    table.add_column("alias", no_wrap=True)
+    table.add_column("model")
+    table.add_column("installed", no_wrap=True)
+    table.add_column("converted", no_wrap=True)
+    table.add_column("install with", overflow="fold")
+    for row in list_models():
+        table.add_row(
+            row["alias"],
+            row.get("description", ""),
+            "yes" if row["installed"] else "no",
+            "yes" if row.get("converted") else "no",
+            row["pip"],
+        )
+    Console().print(table)
+
+
+def _register_bench() -> None:
+    from speculum.bench.command import bench
+
+    app.command("bench")(bench)
+
+
+_register_bench()
+
+
+def main() -> None:
+    try:
+        app()
+    except SpeculumError as error:  # anything a command did not catch itself
+        err.print(f"[red]error:[/red] {error}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

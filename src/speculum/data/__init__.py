@@ -1,0 +1,1 @@
+"""Vendored public prompt sets used by ``speculum bench`` (see SOURCES.md for attribution)."""

@@ -1,0 +1,66 @@
+"""Shared test helpers: run the engine directly on token ids, and a drafter that proposes trees."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from speculum import engine
+from speculum.drafters.base import Draft, DraftContext, Drafter
+from speculum.methods import SpeculativeConfig
+from speculum.sampling import SamplingParams
+
+
+def build_drafter(method: str, draft_model=None, vocab_size: int = 64, **params):
+    config = SpeculativeConfig(method, **params)
+    return config.drafter_class()(config.options(), draft_model=draft_model, vocab_size=vocab_size, model_key="test")
+
+
+def generate_ids(model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset()):
+    stats = engine.Stats()
+    steps = engine.run(
+        engine.TargetRunner(model), prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats
+    )
+    return [t for step in steps for t in step], stats
+
+
+class RandomTreeDrafter(Drafter):
+    """Proposes random trees that contain a partly-correct branch (from a known continuation).
+
+    Exercises tree masks, per-node positions and keep-path on whatever branch the verifier picks.
+    """
+
+    name = "random_tree"
+
+    def __init__(self, truth: list[int], vocab_size: int, seed: int = 0, max_nodes: int = 12):
+        self.truth = truth  # the reference continuation (prompt excluded)
+        self.vocab = vocab_size
+        self.rng = random.Random(seed)
+        self.max_nodes = max_nodes
+
+    def start(self, ctx: DraftContext) -> None:
+        self.prompt_length = ctx.prompt_length
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        done = len(ctx.tokens) - self.prompt_length
+        right = self.truth[done : done + self.rng.randint(0, 5)]
+        if right and self.rng.random() < 0.5:  # spoil the correct branch part way
+            right[self.rng.randrange(len(right))] = self.rng.randrange(self.vocab)
+        tokens, parents = [], []
+        for i, tok in enumerate(right):
+            tokens.append(tok)
+            parents.append(i - 1)
+        while len(tokens) < self.max_nodes:  # random side branches hanging anywhere
+            parent = self.rng.randrange(-1, len(tokens))
+            siblings = {tokens[i] for i, p in enumerate(parents) if p == parent}
+            tok = self.rng.randrange(self.vocab)
+            if tok not in siblings:
+                tokens.append(tok)
+                parents.append(parent)
+        return Draft(tokens, parents)
+
+
+def markov_logits(table: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """A bigram 'target': the logits after each token are log table[token]."""
+    return torch.log(table[torch.tensor(tokens)])

@@ -1,0 +1,187 @@
+"""The Python API and the CLI on a tiny model saved to disk: generation, streaming, bad input."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from typer.testing import CliRunner
+
+import speculum
+from speculum.cli import app
+
+
+def word_tokenizer():
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[PAD]"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return speculum.load(model_dir, draft="self:1", dtype="float32")
+
+
+PROMPT = "w3 w4 w5 w6 w3 w4 w5 w6 w3 w4"
+
+
+def test_generate_every_method_equal(spec):
+    base = spec.generate(PROMPT, "autoregressive", max_new_tokens=24)
+    assert len(base.token_ids) == 24 and base.stats.mean_acceptance_length == 1.0
+    assert base.text == spec.tokenizer.decode(base.token_ids, skip_special_tokens=True)
+    for method in ["prompt_lookup", "anpd", "draft_model"]:
+        result = spec.generate(PROMPT, method, max_new_tokens=24)
+        assert result.token_ids == base.token_ids, method
+        assert result.stats.new_tokens == 24
+
+
+def test_speculative_config_and_params(spec):
+    config = speculum.SpeculativeConfig(method="draft_model", num_speculative_tokens=3, length_policy="fixed")
+    result = spec.generate(PROMPT, config, max_new_tokens=12)
+    assert result.method == "draft_model"
+    assert max(result.stats.accept_lengths) <= 4  # K=3 drafts + the bonus token
+    again = spec.generate(PROMPT, "draft_model", max_new_tokens=12, num_speculative_tokens=3, length_policy="fixed")
+    assert again.token_ids == result.token_ids
+
+
+def test_stream_concatenates_to_text(spec):
+    stream = spec.generate(PROMPT, "prompt_lookup", max_new_tokens=20, stream=True)
+    chunks = list(stream)
+    assert "".join(c.text for c in chunks) == stream.result.text
+    assert [t for c in chunks for t in c.token_ids] == stream.result.token_ids
+    assert len(chunks) == stream.result.stats.target_forwards  # one chunk per step, not per token
+
+
+def test_chat_messages_use_template(spec):
+    ids = spec.encode_prompt([{"role": "user", "content": PROMPT}])
+    assert ids == spec.tokenizer(PROMPT)["input_ids"]
+
+
+def test_sampling_seeded(spec):
+    a = spec.generate(PROMPT, "draft_model", max_new_tokens=16, temperature=0.9, top_k=20, seed=3)
+    b = spec.generate(PROMPT, "draft_model", max_new_tokens=16, temperature=0.9, top_k=20, seed=3)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(prompt=""), speculum.InvalidInputError),
+        (dict(prompt="   "), speculum.InvalidInputError),
+        (dict(temperature=-1.0), speculum.InvalidInputError),
+        (dict(top_p=0.0), speculum.InvalidInputError),
+        (dict(top_p=1.5), speculum.InvalidInputError),
+        (dict(top_k=-2), speculum.InvalidInputError),
+        (dict(max_new_tokens=0), speculum.InvalidInputError),
+        (dict(method="telepathy"), speculum.UnknownMethodError),
+        (dict(method="prompt_lookup", max_matching_ngram_size=0), speculum.InvalidInputError),
+        (dict(method="prompt_lookup", no_such_param=1), speculum.InvalidInputError),
+        (dict(prompt=" ".join(["w5"] * 300)), speculum.InvalidInputError),  # longer than the 256-token context
+        (dict(prompt=[{"content": "no role"}]), speculum.InvalidInputError),
+        (dict(prompt=[1, 2, 999]), speculum.InvalidInputError),
+    ],
+)
+def test_bad_input_raises_typed_errors(spec, kwargs, error):
+    kwargs = {"prompt": PROMPT, **kwargs}
+    with pytest.raises(error):
+        spec.generate(**kwargs)
+
+
+def test_draft_model_method_needs_a_draft(model_dir):
+    plain = speculum.load(model_dir, dtype="float32")
+    with pytest.raises(speculum.InvalidInputError, match="draft"):
+        plain.generate(PROMPT, "draft_model")
+
+
+def test_incompatible_draft_refused(model_dir, tmp_path):
+    other = tmp_path / "other"
+    tiny_model("llama", vocab_size=VOCAB + 8).save_pretrained(other)
+    tok = word_tokenizer()
+    tok.add_tokens(["extra1", "extra2"])
+    tok.save_pretrained(other)
+    with pytest.raises(speculum.IncompatibleDraftError):
+        speculum.load(model_dir, draft=str(other), dtype="float32")
+
+
+def test_unknown_model():
+    with pytest.raises(speculum.ModelLoadError):
+        speculum.load("/no/such/model/dir")
+
+
+runner = CliRunner()
+
+
+def test_cli_generate(model_dir):
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            PROMPT,
+            "--model",
+            model_dir,
+            "--method",
+            "prompt_lookup",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout.strip().splitlines()[-1])
+    assert payload["stats"]["new_tokens"] == 12 and len(payload["token_ids"]) == 12
+
+
+def test_cli_stream_and_stats(model_dir):
+    result = runner.invoke(
+        app,
+        ["generate", PROMPT, "--model", model_dir, "--method", "anpd", "--max-new-tokens", "8", "--dtype", "float32"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "mean acceptance length" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", ""],
+        ["generate", PROMPT, "--temperature", "-1"],
+        ["generate", PROMPT, "--top-p", "2"],
+        ["generate", PROMPT, "--method", "telepathy"],
+        ["generate", PROMPT, "--param", "oops"],
+        ["generate", PROMPT, "--method", "anpd", "--param", "max_ngram_size=1"],
+        ["generate", PROMPT, "--model", "/no/such/dir"],
+        ["generate", PROMPT, "--model", "no-such-alias-xyz"],
+    ],
+)
+def test_cli_bad_input_exit_2(args, model_dir):
+    if "--model" not in args:
+        args = args + ["--model", model_dir]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "error" in result.output.lower()
+
+
+def test_cli_models_lists_aliases():
+    result = runner.invoke(app, ["models"])
+    assert result.exit_code == 0, result.output
+    for alias in ["gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"]:
+        assert alias in result.output
+

@@ -1,0 +1,89 @@
+"""Greedy losslessness: every drafter reproduces transformers' plain greedy decoding token for token."""
+
+import pytest
+import torch
+
+from helpers import RandomTreeDrafter, build_drafter, generate_ids
+from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
+
+NEW = 40
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [
+        repetitive_prompt(24, 5, 0),
+        repetitive_prompt(30, 7, 1),
+        torch.randint(3, VOCAB, (20,), generator=gen).tolist(),
+    ]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_setup(request):
+    model = tiny_model(request.param)
+    refs = [reference_greedy(model, p, NEW) for p in prompts()]
+    return request.param, model, refs
+
+
+def _check(model, refs, make_drafter):
+    for prompt, ref in zip(prompts(), refs, strict=True):
+        out, stats = generate_ids(model, prompt, make_drafter(ref), NEW)
+        assert out == ref
+        assert stats.new_tokens == NEW
+    return stats
+
+
+def test_autoregressive(arch_setup):
+    _, model, refs = arch_setup
+    stats = _check(model, refs, lambda ref: build_drafter("autoregressive"))
+    assert stats.mean_acceptance_length == 1.0
+    assert stats.target_forwards == NEW
+
+
+def test_prompt_lookup(arch_setup):
+    _, model, refs = arch_setup
+    stats = _check(model, refs, lambda ref: build_drafter("prompt_lookup"))
+    assert stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence"])
+def test_draft_model(arch_setup, policy):
+    _, model, refs = arch_setup
+    draft = perturbed_copy(model, scale=0.4)
+    stats = _check(
+        model,
+        refs,
+        lambda ref: build_drafter("draft_model", draft, VOCAB, num_speculative_tokens=4, length_policy=policy),
+    )
+    assert stats.draft_forwards > 0
+
+
+def test_draft_model_partly_right(arch_setup):
+    """The draft must agree only sometimes, or the test proves little."""
+    _, model, refs = arch_setup
+    draft = perturbed_copy(model, scale=0.4)
+    rates = []
+    for prompt, ref in zip(prompts(), refs, strict=True):
+        out, stats = generate_ids(model, prompt, build_drafter("draft_model", draft, VOCAB, length_policy="fixed"), NEW)
+        assert out == ref
+        rates.append(stats.draft_acceptance_rate)
+    assert 0.0 < sum(rates) / len(rates) < 1.0
+
+
+def test_random_trees(arch_setup):
+    _, model, refs = arch_setup
+    total_accepted = 0
+    for seed in range(2):
+        for prompt, ref in zip(prompts(), refs, strict=True):
+            out, stats = generate_ids(model, prompt, RandomTreeDrafter(ref, VOCAB, seed=seed), NEW)
+            assert out == ref
+            total_accepted += stats.accepted_tokens
+    assert total_accepted > 0  # trees were partly right, so side branches and keep-path were exercised
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_anpd(arch_setup, tree, adaptive):
+    _, model, refs = arch_setup
+    stats = _check(model, refs, lambda ref: build_drafter("anpd", tree=tree, adaptive=adaptive))
+    assert stats.drafted_tokens > 0
