@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--heads", default="all,last", help="all (LM head on all K positions), last (logits_to_keep=1)")
+    ap.add_argument(
+        "--prepack", default="off,on", help="off (stock linear layers) and/or on (speculum.accel oneDNN prepacking)"
+    )
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(h not in ("all", "last") for h in heads):
         ap.error("--heads takes all and/or last")
 
-    from speculum import models
+    from speculum import accel, models
 
     mach = machine_info()
     given = argv if argv is not None else sys.argv[1:]
@@ -119,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()
         vocab = model.get_output_embeddings().weight.shape[0]
         ids = prompt_ids(tokenizer, vocab, args.prefix + max(ks))
-        for head in heads:
-            t = measure(model, ids, args.prefix, ks, args.reps, last_only=head == "last")
-            rows.append(
-                (str(model.dtype).replace("torch.", ""), "all K positions" if head == "all" else "last only", t)
-            )
+        for pack in [p.strip() for p in args.prepack.split(",")]:
+            if pack == "on" and not accel.prepack(model):
+                continue  # not applicable (e.g. bfloat16)
+            label = str(model.dtype).replace("torch.", "") + (" prepacked" if pack == "on" else "")
+            for head in heads:
+                t = measure(model, ids, args.prefix, ks, args.reps, last_only=head == "last")
+                rows.append((label, "all K positions" if head == "all" else "last only", t))
             print(
                 f"{rows[-1][0]} / {rows[-1][1]}: " + ", ".join(f"K={k} {1000 * v:.1f} ms" for k, v in t.items()),
                 file=sys.stderr,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from speculum import engine
+from speculum import accel, engine
 from speculum.errors import InvalidInputError
 from speculum.methods import SpeculativeConfig
 from speculum.sampling import SamplingParams
@@ -71,7 +71,7 @@ class Speculum:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        return accel.output_size(self.model)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: raw text, chat messages (chat template applied) or ids as they are."""
@@ -179,16 +179,23 @@ def load(
     device: str = "cpu",
     draft_device: str | None = None,
     gguf_file: str | None = None,
+    prepack: bool | str = "auto",
 ) -> Speculum:
     """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
 
     ``draft`` is another model (same tokenizer) or ``"self:N"``: the target's own first N layers
     with its final norm and LM head (no extra weights). ``draft_device`` puts the draft elsewhere.
+    ``prepack`` ("auto": where supported, i.e. float32 on CPU) reorders linear weights once for
+    oneDNN, which makes verifying a few tokens cost about one decode step (see ``speculum.accel``).
     """
     from speculum import models
 
+    if prepack not in (True, False, "auto"):
+        raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
     name = model or models.DEFAULT_MODEL
     target, tokenizer = models.load_model(name, dtype=dtype, device=device, gguf_file=gguf_file)
+    if prepack:
+        accel.prepack(target)  # before building a self-draft, which then shares the packed layers
     draft_model = draft_tokenizer = None
     if draft:
         self_layers = models.parse_draft_spec(draft)
@@ -197,4 +204,6 @@ def load(
         else:
             draft_model, draft_tokenizer = models.load_model(draft, dtype=dtype, device=draft_device or device)
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
+            if prepack:
+                accel.prepack(draft_model)
     return Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)

@@ -103,6 +103,13 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
+    def new_cache(self):
+        return cache_ops.new_cache()
+
+    def commit(self, cache, past_length: int, path: list[int]) -> None:
+        """Keep only the accepted path's keys/values after a tree forward."""
+        cache_ops.keep_path(cache, past_length, path)
+
     @torch.inference_mode()
     def prefill(self, cache, token_ids: list[int]) -> None:
         if token_ids:
@@ -168,7 +175,7 @@ def run(
     start = time.perf_counter()
     tokens = list(prompt_ids)
     stats.prompt_tokens = len(tokens)
-    cache = cache_ops.new_cache()
+    cache = runner.new_cache()
     runner.prefill(cache, tokens[:-1])
     ctx = DraftContext(tokens, len(prompt_ids), sampling, generator, 0, eos_token_ids)
     t = time.perf_counter()
@@ -187,7 +194,7 @@ def run(
         past = len(tokens) - 1
         logits = runner.forward(cache, tree)
         verdict = verify(tree, logits, sampling, generator)
-        cache_ops.keep_path(cache, past, verdict.path)
+        runner.commit(cache, past, verdict.path)
         t2 = time.perf_counter()
 
         new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
@@ -234,4 +241,46 @@ def _count_step(stats: Stats, tree: TokenTree, accepted: int) -> None:
         stats.accepted_per_position[d] += d < accepted
 
 
-__all__ = ["Draft", "Stats", "TargetRunner", "run"]
+class ReplayRunner:
+    """Stands in for the target when its greedy output is already known (``reference``).
+
+    Greedy verification accepts exactly the draft tokens that equal the target's greedy output, so
+    feeding the loop one-hot logits of the reference gives, without running the model, the very
+    acceptance a *deterministic* drafter gets in a real greedy run (timings aside). Used for
+    acceptance-only ablations over many prompts and settings.
+    """
+
+    max_positions = None
+
+    def __init__(self, prompt_ids: list[int], reference: list[int]):
+        self.sequence = list(prompt_ids) + list(reference)
+        self.vocab = max(self.sequence) + 1
+
+    def new_cache(self) -> list[int]:
+        return [0]  # the number of committed positions, as a stand-in for a KV cache
+
+    def prefill(self, cache, token_ids: list[int]) -> None:
+        cache[0] = len(token_ids)
+
+    def commit(self, cache, past_length: int, path: list[int]) -> None:
+        cache[0] = past_length + len(path)
+
+    def forward(self, cache, tree: TokenTree) -> torch.Tensor:
+        root = cache[0]  # index of the tree's root in the full sequence
+        logits = torch.zeros(len(tree), max(self.vocab, max(tree.tokens) + 1))
+        for node, depth in enumerate(tree.depth):
+            if root + depth + 1 < len(self.sequence):
+                logits[node, self.sequence[root + depth + 1]] = 1.0
+        return logits
+
+
+def replay(prompt_ids: list[int], reference: list[int], drafter: Drafter, eos_token_ids=frozenset()) -> Stats:
+    """The greedy acceptance statistics ``drafter`` would get on a prompt whose greedy output is ``reference``."""
+    stats = Stats()
+    runner = ReplayRunner(prompt_ids, reference)
+    for _ in run(runner, prompt_ids, drafter, SamplingParams(), len(reference), eos_token_ids, None, stats):
+        pass
+    return stats
+
+
+__all__ = ["Draft", "ReplayRunner", "Stats", "TargetRunner", "replay", "run"]

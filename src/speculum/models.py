@@ -681,7 +681,9 @@ def _embedding_rows(model: Any) -> int | None:
 def _output_rows(model: Any) -> int | None:
     try:
         head = model.get_output_embeddings()
-        return int(head.weight.shape[0]) if head is not None else _embedding_rows(model)
+        if head is None:
+            return _embedding_rows(model)
+        return int(getattr(head, "out_features", None) or head.weight.shape[0])
     except Exception:
         return _embedding_rows(model)
 

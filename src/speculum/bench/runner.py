@@ -271,7 +271,10 @@ def run_transformers(
     else:
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     kw.update(extra)
-    with torch.inference_mode():
+    from speculum.accel import unpacked
+
+    # transformers' rows run on the stock model: undo speculum's weight prepacking (not timed).
+    with unpacked(model, getattr(spec, "draft_model", None)), torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(**kw)
         wall = time.perf_counter() - t0

@@ -1,0 +1,106 @@
+"""Faster float32 linear layers on CPU: weights prepacked once for oneDNN.
+
+Speculation only pays if verifying K tokens costs about as much as decoding one. With PyTorch's
+default float32 path (MKL) on the CPUs measured here, a linear layer over 2 rows costs ~2x one row
+(matrix-vector vs matrix-matrix kernels), so a draft of even 2 tokens doubled the step. oneDNN's
+kernels on weights reordered once into its blocked layout (``torch.ops.mkldnn``, the same
+prepacking ``torch.compile``'s CPU freezing uses) keep 1..8 rows nearly flat and make a single row
+faster too. See BENCHMARKS.md for t(K) with and without it.
+
+The swap is reversible (``unpacked``) so a benchmark can time transformers' stock model in the
+same process. Numerics: float32 results differ from MKL's in the last bits, exactly like any other
+kernel choice; greedy equality is always between runs on the same kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight lives in oneDNN's blocked layout (float32, CPU, inference only)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.packed_weight.to_dense(), requires_grad=False)
+        linear.bias = self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def supported(model: nn.Module) -> bool:
+    """Prepacking applies to float32 models on CPU where oneDNN is available."""
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return False
+    if param.device.type != "cpu" or param.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8), probe, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _swap(model: nn.Module, convert) -> int:
+    targets = [(name, module) for name, module in model.named_modules() if convert(module) is not None]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, convert(module))
+    return len(targets)
+
+
+def prepack(model: nn.Module) -> int:
+    """Replace every float32 ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
+    if not supported(model):
+        return 0
+    with torch.no_grad():
+        return _swap(model, lambda m: PackedLinear(m) if type(m) is nn.Linear else None)
+
+
+def unpack(model: nn.Module) -> int:
+    """Undo ``prepack`` (exactly: the blocked layout is a reordering of the same numbers)."""
+    with torch.no_grad():
+        return _swap(model, lambda m: m.to_linear() if isinstance(m, PackedLinear) else None)
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@contextlib.contextmanager
+def unpacked(*models: nn.Module | None) -> Iterator[None]:
+    """Run a block on the stock ``nn.Linear`` layers (e.g. to time transformers' own generate)."""
+    swapped = [m for m in models if m is not None and is_packed(m)]
+    for model in swapped:
+        unpack(model)
+    try:
+        yield
+    finally:
+        for model in swapped:
+            prepack(model)
+
+
+def output_size(model: nn.Module) -> int:
+    """Rows of the LM head (the logits' width), packed or not."""
+    head = model.get_output_embeddings()
+    return head.out_features if isinstance(head, PackedLinear) else head.weight.shape[0]
