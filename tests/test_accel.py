@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import build_drafter, generate_ids
-from tiny_models import VOCAB, perturbed_copy, repetitive_prompt, tiny_model
 
 from speculum import accel
+
+from helpers import build_drafter, generate_ids
+from tiny_models import VOCAB, perturbed_copy, repetitive_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not accel.supported(tiny_model("llama")), reason="oneDNN prepacking unavailable")
 

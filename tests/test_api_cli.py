@@ -3,14 +3,14 @@
 import json
 
 import pytest
-import torch
-from tiny_models import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 import speculum
 from speculum.cli import app
+
+from tiny_models import VOCAB, tiny_model
 
 
 def word_tokenizer():

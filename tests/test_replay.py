@@ -1,10 +1,11 @@
 """Replay (acceptance without the model) gives exactly the acceptance of a real greedy run."""
 
 import pytest
-from helpers import RandomTreeDrafter, build_drafter, generate_ids
-from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_model
 
 from speculum.engine import replay
+
+from helpers import RandomTreeDrafter, build_drafter, generate_ids
+from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
