@@ -17,11 +17,12 @@ def build_drafter(method: str, draft_model=None, vocab_size: int = 64, **params)
     return config.drafter_class()(config.options(), draft_model=draft_model, vocab_size=vocab_size, model_key="test")
 
 
-def generate_ids(model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset()):
+def generate_ids(
+    model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset(), lazy_head=None
+):
     stats = engine.Stats()
-    steps = engine.run(
-        engine.TargetRunner(model), prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats
-    )
+    runner = engine.TargetRunner(model, lazy_head=lazy_head)
+    steps = engine.run(runner, prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats)
     return [t for step in steps for t in step], stats
 
 

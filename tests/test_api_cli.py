@@ -184,4 +184,3 @@ def test_cli_models_lists_aliases():
     assert result.exit_code == 0, result.output
     for alias in ["gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"]:
         assert alias in result.output
-

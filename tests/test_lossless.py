@@ -87,3 +87,16 @@ def test_anpd(arch_setup, tree, adaptive):
     _, model, refs = arch_setup
     stats = _check(model, refs, lambda ref: build_drafter("anpd", tree=tree, adaptive=adaptive))
     assert stats.drafted_tokens > 0
+
+
+def test_lazy_head_lossless(arch_setup):
+    arch, model, refs = arch_setup
+    if arch == "gpt2":
+        pytest.skip("GPT-2 keeps the full head (not a known plain-head architecture)")
+    from helpers import generate_ids as gen
+
+    for prompt, ref in zip(prompts(), refs, strict=True):
+        out, _ = gen(model, prompt, RandomTreeDrafter(ref, VOCAB, seed=1), NEW, lazy_head=True)
+        assert out == ref
+        out, _ = gen(model, prompt, build_drafter("anpd"), NEW, lazy_head=True)
+        assert out == ref

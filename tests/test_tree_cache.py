@@ -100,3 +100,25 @@ def test_crop():
     assert cache_ops.cache_length(cache) == 10
     with pytest.raises(ValueError):
         cache_ops.crop(cache, 11)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_lazy_head_rows_equal_full_logits(arch):
+    model = tiny_model(arch)
+    prefix = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    full_runner, lazy_runner = TargetRunner(model, lazy_head=False), TargetRunner(model, lazy_head=True)
+    full_cache, lazy_cache = cache_ops.new_cache(), cache_ops.new_cache()
+    full_runner.prefill(full_cache, prefix)
+    lazy_runner.prefill(lazy_cache, prefix)
+    tree = sample_tree()
+    full = full_runner.forward(full_cache, tree)
+    lazy = lazy_runner.forward(lazy_cache, tree)
+    assert not isinstance(lazy, torch.Tensor)
+    for node in range(len(tree)):
+        torch.testing.assert_close(lazy[node], full[node], atol=1e-5, rtol=1e-5)
+
+
+def test_lazy_head_auto_only_for_half_precision_cpu():
+    assert not TargetRunner(tiny_model("llama")).lazy_head
+    assert TargetRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head
+    assert not TargetRunner(tiny_model("gpt2", dtype=torch.bfloat16)).lazy_head  # not a known plain-head model

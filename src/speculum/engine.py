@@ -91,7 +91,7 @@ class TargetRunner:
     with sliding-window layers (``config.layer_types``) get one mask per layer type.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, lazy_head: bool | None = None):
         self.model = model
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.layer_types = set(getattr(config, "layer_types", None) or [])
@@ -102,6 +102,24 @@ class TargetRunner:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.lazy_head = lazy_head if lazy_head is not None else self._lazy_head_pays()
+
+    def _lazy_head_pays(self) -> bool:
+        """Compute LM-head rows one accepted node at a time instead of for the whole tree?
+
+        Worth it where the head's cost grows with the number of rows (half precision on a CPU
+        without native support: compute-bound), and only for architectures whose logits are
+        exactly ``head(base(x))`` (plus Gemma's soft-capping).
+        """
+        if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        return self._plain_head()
+
+    def _plain_head(self) -> bool:
+        config = self.model.config
+        known = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+        return config.model_type in known and hasattr(self.model, "model") and hasattr(self.model, "lm_head")
 
     def new_cache(self):
         return cache_ops.new_cache()
@@ -120,19 +138,20 @@ class TargetRunner:
     def forward(self, cache, tree: TokenTree) -> torch.Tensor:
         """Logits ``[len(tree), vocab]``; the tree's keys/values are appended to the cache."""
         past = cache_ops.cache_length(cache)
-        ids = torch.tensor([tree.tokens], device=self.device)
-        if tree.is_chain:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        else:
+        inputs = dict(input_ids=torch.tensor([tree.tokens], device=self.device), past_key_values=cache, use_cache=True)
+        if not tree.is_chain:
             positions = tree.position_ids(past).to(self.device)
-            out = self.model(
-                input_ids=ids,
-                past_key_values=cache,
-                use_cache=True,
-                attention_mask=self._tree_mask(tree, past, positions),
-                position_ids=positions[None],
-            )
-        return out.logits[0]
+            inputs.update(attention_mask=self._tree_mask(tree, past, positions), position_ids=positions[None])
+        if self.lazy_head and len(tree) > 1:
+            hidden = self.model.model(**inputs).last_hidden_state[0]
+            return LazyLogits(hidden, self._head)
+        return self.model(**inputs).logits[0]
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _tree_mask(self, tree: TokenTree, past: int, positions: torch.Tensor):
         n = len(tree)
@@ -148,6 +167,26 @@ class TargetRunner:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+
+class LazyLogits:
+    """Logits of a tree whose LM-head rows are computed on first use (the verifier reads only the
+    nodes on the path it walks). Indexing by a node returns that node's logits ``[vocab]``."""
+
+    def __init__(self, hidden: torch.Tensor, head):
+        self.hidden = hidden
+        self.head = head
+        self.rows: dict[int, torch.Tensor] = {}
+        self.shape = (hidden.shape[0], None)
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @torch.inference_mode()
+    def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self.rows:
+            self.rows[node] = self.head(self.hidden[node : node + 1])[0]
+        return self.rows[node]
 
 
 def run(

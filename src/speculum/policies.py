@@ -13,6 +13,8 @@ POLICIES = ("fixed", "heuristic", "confidence")
 
 
 class LengthPolicy:
+    uses_confidence = False  # whether should_stop() needs the draft's probability of its token
+
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise InvalidInputError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -51,6 +53,8 @@ class ConfidenceStop(LengthPolicy):
 
     (transformers' ``assistant_confidence_threshold``.) The threshold is not adapted.
     """
+
+    uses_confidence = True
 
     def __init__(self, num_speculative_tokens: int, threshold: float = 0.4):
         super().__init__(num_speculative_tokens)

@@ -54,14 +54,25 @@ def _child_with_token(tree: TokenTree, node: int, token: int) -> int | None:
     return None
 
 
-def _verify_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
-    best = logits.argmax(dim=-1).tolist()
+def _verify_greedy(tree: TokenTree, logits) -> Verdict:
+    if isinstance(logits, torch.Tensor):
+        best = logits.argmax(dim=-1).tolist()  # one batched argmax when all rows exist anyway
+    else:
+        best = _LazyArgmax(logits)  # rows computed only along the walked path
     path = [0]
     while True:
         child = _child_with_token(tree, path[-1], best[path[-1]])
         if child is None:
             return Verdict(path, best[path[-1]])
         path.append(child)
+
+
+class _LazyArgmax:
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __getitem__(self, node: int) -> int:
+        return int(self.logits[node].argmax())
 
 
 def _verify_sampled_deterministic(

@@ -69,6 +69,9 @@ def bench(
         bool, typer.Option("--check-lossless/--no-check-lossless", help="Compare every output with the baseline's.")
     ] = True,
     threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
+    prepack: Annotated[
+        bool, typer.Option(help="oneDNN-prepacked float32 weights for speculum's rows (transformers' rows run stock).")
+    ] = True,
     chat: Annotated[
         bool | None,
         typer.Option(
@@ -109,13 +112,16 @@ def bench(
     try:
         import speculum
 
-        kwargs = {"draft": draft, "dtype": dtype}
+        kwargs = {"draft": draft, "dtype": dtype, "prepack": "auto" if prepack else False}
         if device is not None:
             kwargs["device"] = device
         spec = speculum.load(model, **kwargs)
     except SpeculumError as e:
         _fail(str(e))
     meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
+    from speculum.accel import is_packed
+
+    meta["prepacked"] = is_packed(spec.model)
     meta["device"] = str(getattr(spec.model, "device", device or "?"))
     meta["machine"] = machine_info()
 

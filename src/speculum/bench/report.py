@@ -258,6 +258,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
     if meta.get("draft"):
         model += f", draft `{meta['draft']}`"
     model += f"; dtype {meta.get('dtype', '?')}; device {meta.get('device', '?')}"
+    if meta.get("prepacked"):
+        model += "; speculum rows on oneDNN-prepacked weights, transformers rows on the stock model"
     lines.append(model)
     prompts = ", ".join(f"{k} × {v}" for k, v in (meta.get("prompts") or {}).items())
     temp = meta.get("temperature") or 0

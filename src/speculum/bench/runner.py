@@ -480,6 +480,8 @@ def run_bench(
                 rec.update(out)
                 rec.update(dataset=p.dataset, question_id=p.question_id, category=p.category, method=m.label)
                 rec["prompt_tokens"] = len(ids)
+                if m.label == baseline:
+                    rec["prompt_ids"] = ids  # with the baseline's token_ids: enough to replay drafters offline
                 by_method[m.label] = rec
                 bar.update(1)
             base = by_method.get(baseline) if do_check else None

@@ -79,8 +79,8 @@ class DraftModelDrafter(Drafter):
         probs: list[torch.Tensor] = []
         while True:
             if ctx.sampling.greedy:
-                dist = torch.softmax(logits, dim=-1)
-                token = int(dist.argmax())
+                dist = None
+                token = int(logits.argmax())
             else:
                 dist = warp(logits, ctx.sampling)[0]
                 probs.append(dist)
@@ -88,8 +88,10 @@ class DraftModelDrafter(Drafter):
             tokens.append(token)
             if len(tokens) >= budget or token in ctx.eos_token_ids:
                 break
-            if self.policy.should_stop(float(dist[token])):
-                break
+            if self.policy.uses_confidence:
+                confidence = float((dist if dist is not None else torch.softmax(logits, dim=-1))[token])
+                if self.policy.should_stop(confidence):
+                    break
             logits = self._forward([token])
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
