@@ -470,3 +470,27 @@ def test_command_argument_errors(args, needle):
     assert needle in flat
     assert "Traceback" not in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_transformers_rows_run_on_the_stock_model():
+    """With speculum's prepacked weights, transformers' rows swap the stock layers back in, untimed."""
+    from speculum import accel
+
+    spec = _tiny_spec()
+    if not accel.prepack(spec.model):
+        pytest.skip("oneDNN prepacking unavailable")
+    seen = []
+    original = spec.model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(accel.is_packed(spec.model))
+        return original(*args, **kwargs)
+
+    spec.model.generate = spy
+    result = run_bench(
+        spec, "humaneval", "autoregressive,hf_generate", limit=1, max_new_tokens=8, warmup=0, progress=False,
+        fail_fast=True,
+    )  # fmt: skip
+    assert seen == [False]  # stock layers during transformers' call
+    assert accel.is_packed(spec.model)  # and packed again for speculum's rows
+    assert all(r["equal_to_baseline"] for r in result.records)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The runs behind BENCHMARKS.md (issues #2 and #3), one after another (2-core CPU: never in parallel).
+# Prompt counts are cut to what a 3-hour session affords on this machine (stated in BENCHMARKS.md).
+set -euo pipefail
+OUT=${OUT:-bench-out}
+COMMON="--threads 2 --compare-transformers --dataset humaneval,gsm8k,mt_bench,wmt16"
+
+# Qwen2.5-Coder 1.5B target / 0.5B draft, float32 (issue #2 main figure, issue #3 Qwen figure)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype float32 $COMMON --limit 5 \
+  --max-new-tokens 64 --methods autoregressive,draft_model,prompt_lookup,anpd --out $OUT/qwen-fp32
+
+# Gemma 3 270M, float32: prompt lookup and ANPD vs transformers' prompt lookup
+speculum bench --model gemma-3-270m --dtype float32 $COMMON --limit 5 --max-new-tokens 128 \
+  --methods autoregressive,prompt_lookup,anpd --out $OUT/gemma-fp32
+
+# Engine overhead with the same kernels as transformers (no prepacking)
+speculum bench --model gemma-3-270m --dtype float32 --threads 2 --no-prepack --dataset humaneval --limit 2 \
+  --max-new-tokens 64 --methods autoregressive,hf_generate --out $OUT/gemma-fp32-stock
+
+# bfloat16 runs (this CPU has no native bf16: verification cost grows with K)
+speculum bench --model gemma-3-270m --dtype bfloat16 $COMMON --limit 2 --max-new-tokens 128 \
+  --methods autoregressive,prompt_lookup,anpd --out $OUT/gemma-bf16
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 --threads 2 \
+  --compare-transformers --dataset humaneval,gsm8k,mt_bench --limit 1 --max-new-tokens 64 \
+  --methods autoregressive,draft_model,prompt_lookup,anpd --out $OUT/qwen-bf16
