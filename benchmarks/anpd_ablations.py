@@ -62,11 +62,8 @@ def evaluate(refs, cost, **params) -> dict:
             steps += stats.target_forwards
             drafted += stats.drafted_tokens
             accepted += stats.accepted_tokens
-            if cost:
-                # each step verified root + drafted nodes; tree sizes are not kept per step, so use the
-                # step's accepted length as a lower bound on its size and the mean draft otherwise
-                mean_nodes = 1 + stats.drafted_tokens / max(stats.target_forwards, 1)
-                est_time += stats.target_forwards * cost(mean_nodes)
+            if cost:  # each step verified the root plus that step's draft
+                est_time += sum(cost(1 + size) for size in stats.draft_sizes)
         row = {
             "mean_acceptance_length": tokens / steps,
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,

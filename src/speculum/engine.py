@@ -32,6 +32,7 @@ class Stats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per target forward
+    draft_sizes: list[int] = field(default_factory=list)  # draft tokens verified per target forward
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
@@ -270,6 +271,7 @@ def run(
 def _count_step(stats: Stats, tree: TokenTree, accepted: int) -> None:
     stats.target_forwards += 1
     stats.drafted_tokens += len(tree) - 1
+    stats.draft_sizes.append(len(tree) - 1)
     stats.accepted_tokens += accepted
     deepest = max(tree.depth)
     while len(stats.drafted_per_position) < deepest:
@@ -293,7 +295,6 @@ class ReplayRunner:
 
     def __init__(self, prompt_ids: list[int], reference: list[int]):
         self.sequence = list(prompt_ids) + list(reference)
-        self.vocab = max(self.sequence) + 1
 
     def new_cache(self) -> list[int]:
         return [0]  # the number of committed positions, as a stand-in for a KV cache
@@ -304,13 +305,31 @@ class ReplayRunner:
     def commit(self, cache, past_length: int, path: list[int]) -> None:
         cache[0] = past_length + len(path)
 
-    def forward(self, cache, tree: TokenTree) -> torch.Tensor:
+    def forward(self, cache, tree: TokenTree) -> _ReferenceRows:
         root = cache[0]  # index of the tree's root in the full sequence
-        logits = torch.zeros(len(tree), max(self.vocab, max(tree.tokens) + 1))
-        for node, depth in enumerate(tree.depth):
-            if root + depth + 1 < len(self.sequence):
-                logits[node, self.sequence[root + depth + 1]] = 1.0
-        return logits
+        return _ReferenceRows([self.sequence[min(root + d + 1, len(self.sequence) - 1)] for d in tree.depth])
+
+
+class _ReferenceRows:
+    """Greedy-only stand-in for a logits matrix: row i's argmax is the reference token at node i's depth
+    (materialising one-hot rows over a 150k vocabulary would cost more than the drafters studied)."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, node: int) -> _ReferenceRow:
+        return _ReferenceRow(self.tokens[node])
+
+
+class _ReferenceRow:
+    def __init__(self, token: int):
+        self.token = token
+
+    def argmax(self) -> int:
+        return self.token
 
 
 def replay(prompt_ids: list[int], reference: list[int], drafter: Drafter, eos_token_ids=frozenset()) -> Stats:
