@@ -63,7 +63,9 @@ def generate(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    draft_device: Annotated[str | None, typer.Option(help="Put the draft model on another device.")] = None,
     gguf_file: Annotated[str | None, typer.Option(help="GGUF file name inside --model.")] = None,
+    prepack: Annotated[bool, typer.Option(help="oneDNN-prepacked float32 weights on CPU (faster).")] = True,
 ) -> None:
     """Generate text with a speculative method; the output equals plain decoding."""
     import speculum
@@ -76,7 +78,15 @@ def generate(
         if not prompt.strip():
             fail("the prompt is empty")
         with err.status(f"loading {model}" + (f" + {draft}" if draft else "")):
-            spec = speculum.load(model, draft, dtype=dtype, device=device, gguf_file=gguf_file)
+            spec = speculum.load(
+                model,
+                draft,
+                dtype=dtype,
+                device=device,
+                draft_device=draft_device,
+                gguf_file=gguf_file,
+                prepack="auto" if prepack else False,
+            )
         text_or_messages = [{"role": "user", "content": prompt}] if chat else prompt
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if stream and not json_output:
