@@ -1,0 +1,42 @@
+"""Real packaged models (slow; `python -m pytest -m real_model`): every method reproduces plain greedy decoding."""
+
+import pytest
+import torch
+
+import speculum
+from speculum import accel
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+]
+METHODS = [
+    ("prompt_lookup", {}),
+    ("anpd", {}),
+    ("anpd", {"tree": True}),
+    ("draft_model", {"length_policy": "fixed", "num_speculative_tokens": 4}),
+]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from speculum.models import list_models
+
+    rows = {r["alias"]: r for r in list_models()}
+    if not rows["gemma-3-270m"]["installed"]:
+        pytest.skip('needs pip install "speculum[gemma]"')
+    return speculum.load("gemma-3-270m", draft="self:6", dtype="float32")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_gemma_every_method_equals_plain_greedy(gemma, prompt):
+    plain = gemma.generate(prompt, "autoregressive", max_new_tokens=32)
+    ids = torch.tensor([plain.prompt_ids])
+    with accel.unpacked(gemma.model), torch.no_grad():  # transformers' own greedy decoding, stock kernels
+        stock = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    assert plain.token_ids == stock[0, ids.shape[1] :].tolist()[: len(plain.token_ids)]
+    for method, params in METHODS:
+        result = gemma.generate(prompt, method, max_new_tokens=32, **params)
+        assert result.token_ids == plain.token_ids, (method, params)
