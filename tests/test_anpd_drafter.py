@@ -269,8 +269,8 @@ def test_adaptive_k_shrinks_on_rejection_and_grows_on_full_acceptance():
     d.observe(ctx, Outcome([12], [0], 13, 1))  # full acceptance
     assert d.current_k == 3
     assert len(d.propose(ctx)) == 3
-    d.observe(ctx, Outcome([12], [0], 77, 3))  # partial acceptance
-    assert d.current_k == 2
+    d.observe(ctx, Outcome([12], [0], 77, 3))  # partial acceptance keeps K
+    assert d.current_k == 3
     for _ in range(5):
         draft = d.propose(ctx)
         d.observe(ctx, Outcome(draft.tokens, list(range(len(draft))), 0, len(draft)))

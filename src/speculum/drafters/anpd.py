@@ -17,9 +17,11 @@ Additions:
   * weak evidence stops the draft: a continuation seen fewer than ``min_count`` times, or holding
     less than ``min_agreement`` of its context's total count, is not proposed (nor anything after
     it);
-  * the draft length follows recent acceptance (the well-known heuristic, a little faster to
-    back off): full acceptance of the last draft -> K += 2 (up to ``num_speculative_tokens``),
-    nothing accepted -> K halves, partial acceptance -> K -= 1; K never drops below 1.
+  * the draft length follows recent acceptance: full acceptance of the last draft -> K += 2 (up
+    to ``num_speculative_tokens``), nothing accepted -> K halves, partial acceptance -> K stays
+    (verifying a few more tokens costs little once weights are prepacked, and shrinking on
+    every partial acceptance lost long copy runs: replayed on 40 prompts, Gemma 3 est. speedup
+    2.05x -> 2.17x, Qwen 1.5B unchanged, see BENCHMARKS.md); K never drops below 1.
   * a draft never continues past an EOS token.
   On text with nothing to copy the table rarely matches, so most steps are plain decode steps.
 - ``persist=True``: the table is kept across requests (``start`` adds each new prompt to it),
@@ -220,8 +222,6 @@ class AnpdDrafter(Drafter):
             self._k = min(k_max, self._k + 2)
         elif accepted == 0:
             self._k = max(1, self._k // 2)
-        else:
-            self._k = max(1, self._k - 1)
 
     # ------------------------------------------------------------------ files
 
