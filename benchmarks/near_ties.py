@@ -38,7 +38,7 @@ def main() -> None:
         prefix = base["prompt_ids"] + base["token_ids"][:i]
         a, b = base["token_ids"][i], rec["token_ids"][i]
         gaps = []
-        for dtype, model in models.items():
+        for model in models.values():
             with torch.no_grad():
                 logits = model(torch.tensor([prefix]), logits_to_keep=1).logits[0, -1].float()
             gaps.append(f"{(logits[a] - logits[b]).item():+.4f}")
