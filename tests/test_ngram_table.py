@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections import Counter
 
 import pytest
 
@@ -13,26 +12,7 @@ from speculum.drafters import ngram_table as nt
 from speculum.drafters.ngram_table import NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
 
-
-def brute_counts(seqs, min_n=2, max_n=5):
-    """Recount every n-gram lying inside one of ``seqs``, from scratch."""
-    counts = Counter()
-    for seq in seqs:
-        for n in range(min_n, max_n + 1):
-            for i in range(n - 1, len(seq)):
-                counts[tuple(seq[i - n + 1 : i + 1])] += 1
-    return dict(counts)
-
-
-def repetitive(rng, length, vocab=12):
-    seq = [rng.randrange(vocab) for _ in range(8)]
-    while len(seq) < length:
-        if rng.random() < 0.5 and len(seq) > 10:
-            a = rng.randrange(len(seq) - 6)
-            seq.extend(seq[a : a + rng.randrange(2, 6)])
-        else:
-            seq.append(rng.randrange(vocab))
-    return seq[:length]
+from helpers import brute_counts, repetitive
 
 
 def snapshot(table):
