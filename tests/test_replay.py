@@ -2,7 +2,7 @@
 
 import pytest
 
-from speculum.engine import replay
+from speculum.bench.replay import replay
 
 from helpers import RandomTreeDrafter, build_drafter, generate_ids
 from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_model

@@ -45,8 +45,30 @@ def exact_joint(target, sampling):
 
 
 def propose(kind, rng, tokens, draft_table, sampling):
-    """Random drafts: chains or trees, deterministic (random tokens) or stochastic (sampled from q)."""
+    """Random drafts: chains or trees, deterministic (random tokens), stochastic (sampled from q),
+    mixed node by node (a sampled child beside deterministic ones), or deterministic written with
+    explicit one-hot q rows."""
     depth = int(torch.randint(1, 4, (), generator=rng))
+    if kind == "onehot-tree":
+        draft = propose("det-tree", rng, tokens, draft_table, sampling)
+        return Draft(draft.tokens, draft.parents, torch.eye(V)[draft.tokens])
+    if kind == "mixed-tree":
+        q_all = warp(torch.log(draft_table), sampling)
+        toks, parents, probs = [], [], []
+        frontier = [(-1, tokens[-1])]
+        for _ in range(depth):
+            new_frontier = []
+            for parent, tok in frontier:
+                choices = [int(torch.multinomial(q_all[tok], 1, generator=rng))]  # sampled from q
+                choices += torch.randperm(V, generator=rng)[:2].tolist()  # deterministic (may repeat it)
+                order = torch.randperm(3, generator=rng).tolist()  # sampled child first, middle or last
+                for i in order:
+                    toks.append(choices[i])
+                    parents.append(parent)
+                    probs.append(q_all[tok] if i == 0 else None)
+                    new_frontier.append((len(toks) - 1, choices[i]))
+            frontier = new_frontier[:2]
+        return Draft(toks, parents, probs)
     if kind.startswith("det"):
         toks, parents = [], []
         branching = 2 if kind.endswith("tree") else 1
@@ -107,13 +129,13 @@ def assert_same_distribution(counts, exact):
     assert pvalue > 1e-3, f"p-value {pvalue:.2e}: the output distribution differs from the target's"
 
 
-@pytest.mark.parametrize("kind", ["det-chain", "det-tree", "sto-chain", "sto-tree"])
+@pytest.mark.parametrize("kind", ["det-chain", "det-tree", "sto-chain", "sto-tree", "mixed-tree", "onehot-tree"])
 def test_rule_matches_target_distribution(kind):
     counts, exact = run_trials(kind, SamplingParams(temperature=0.8))
     assert_same_distribution(counts, exact)
 
 
-@pytest.mark.parametrize("kind", ["det-tree", "sto-chain"])
+@pytest.mark.parametrize("kind", ["det-tree", "sto-chain", "mixed-tree"])
 def test_rule_with_top_k_top_p(kind):
     counts, exact = run_trials(kind, SamplingParams(temperature=1.3, top_k=3, top_p=0.9), seed=1)
     assert_same_distribution(counts, exact)
@@ -146,18 +168,26 @@ def _first_two_exact(model, prompt, sampling):
     return joint
 
 
-@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
-def test_engine_sampling_on_a_real_model(method):
+@pytest.mark.parametrize(
+    "method,target_vocab,draft_vocab",
+    [
+        ("draft_model", 16, 16),
+        ("prompt_lookup", 16, 16),
+        ("draft_model", 20, 16),  # the target's head is wider (a padded head, as Qwen2.5-7B's vs the 0.5B)
+        ("draft_model", 16, 20),  # the draft's is wider
+    ],
+)
+def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab):
     """End to end through the engine and a transformer: first two tokens follow the warped target."""
-    model = tiny_model("llama", vocab_size=16)
-    draft = tiny_model("llama", seed=7, vocab_size=16)
+    model = tiny_model("llama", vocab_size=target_vocab)
+    draft = tiny_model("llama", seed=7, vocab_size=draft_vocab)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
-    sampling = SamplingParams(temperature=1.0, top_k=6)
+    sampling = SamplingParams(temperature=1.0, top_k=6 if target_vocab == draft_vocab else 0)
     exact = _first_two_exact(model, prompt, sampling)
     trials = 1500
     counts = dict.fromkeys(exact, 0)
     gen = torch.Generator().manual_seed(11)
-    drafter = build_drafter(method, draft, 16, num_speculative_tokens=3)
+    drafter = build_drafter(method, draft, target_vocab, num_speculative_tokens=3)
     for _ in range(trials):
         # the draft-model run also goes through the lazy LM head (rows computed along the walk)
         out, _ = generate_ids(model, prompt, drafter, 2, sampling, gen, lazy_head=method == "draft_model")

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from speculum import cache as cache_ops
-from speculum.drafters.base import Draft
-from speculum.engine import TargetRunner
-from speculum.tree import TokenTree
+from speculum.runner import ModelRunner
+from speculum.tree import Draft, TokenTree
 
 from tiny_models import ARCHS, VOCAB, tiny_model
 
@@ -44,36 +43,76 @@ def test_bad_trees_refused():
     with pytest.raises(ValueError):
         TokenTree([1, 2], [-1, 1])  # a node cannot be its own parent
     with pytest.raises(ValueError):
-        TokenTree.from_draft(1, Draft([5, 5], [-1, -1]))  # repeated siblings of a deterministic draft
+        Draft([5, 6], [-1, 1])  # a draft node cannot hang below itself
+    with pytest.raises(ValueError):
+        Draft([5, 6], [-1, 0], probs=torch.ones(1, 4))  # one distribution per node
 
 
-def test_draft_truncated():
+def test_repeated_siblings_merged_and_indices_kept():
+    """Two phrases sharing a prefix (``7 8 9`` and ``7 8 5``) and a repeated guess (``7``) become one
+    tree; whatever path is accepted is reported in the drafter's own numbering."""
+    draft = Draft([7, 8, 9, 7, 8, 5, 7], [-1, 0, 1, -1, 3, 4, -1])
+    tree = TokenTree.from_draft(1, draft)
+    assert tree.tokens == [1, 7, 8, 9, 5] and tree.parents == [-1, 0, 1, 2, 2]
+    assert tree.node_of == [1, 2, 3, 1, 2, 4, 1]
+    assert tree.draft_path([0, 1, 2, 4], draft) == [3, 4, 5]  # the second phrase, end to end
+    assert tree.draft_path([0, 1, 2, 3], draft) == [0, 1, 2]
+    assert tree.draft_path([0, 1], draft) == [0]
+    assert tree.draft_path([0], draft) == []
+    # sampled siblings are independent draws: equal tokens are kept apart (SpecInfer)
+    q = torch.full((4,), 0.25)
+    sampled = TokenTree.from_draft(1, Draft([2, 2], [-1, -1], [q, q]))
+    assert sampled.tokens == [1, 2, 2]
+    mixed = TokenTree.from_draft(1, Draft([2, 2, 2], [-1, -1, -1], [q, None, None]))
+    assert mixed.tokens == [1, 2, 2] and mixed.q(1) is q and mixed.q(2) is None
+
+
+def test_tree_truncated_keeps_draft_indices():
     draft = Draft([1, 2, 3, 4], [-1, 0, 1, -1])
-    cut = draft.truncated(2)
-    assert cut.tokens == [1, 2, 4] and cut.parents == [-1, 0, -1]
+    tree = TokenTree.from_draft(9, draft, max_depth=2)
+    assert tree.tokens == [9, 1, 2, 4] and tree.parents == [-1, 0, 1, 0]
+    assert tree.source == [-1, 0, 1, 3] and tree.node_of == [1, 2, -1, 3]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tree_logits_equal_each_path(arch):
     """One tree forward gives, at every node, the logits of running that node's path on its own."""
     model = tiny_model(arch)
-    runner = TargetRunner(model)
+    runner = ModelRunner(model)
     prefix = torch.randint(3, VOCAB, (14,), generator=torch.Generator().manual_seed(1)).tolist()
     tree = sample_tree()
     tree_cache = cache_ops.new_cache()
     runner.prefill(tree_cache, prefix)
-    tree_logits = runner.forward(tree_cache, tree)
+    tree_logits = runner.forward(tree_cache, tree).logits
     for path in tree.paths():
         with torch.no_grad():
             out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]]))
         torch.testing.assert_close(tree_logits[path], out.logits[0, len(prefix) :], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@pytest.mark.parametrize("prefix_length", [2, 5, 9, 30])
+def test_tree_logits_respect_sliding_windows(arch, prefix_length):
+    """Around and far past the window (6), every layer attends exactly as the modeling code does:
+    Gemma 3 per layer type, Mistral (no layer_types) on every layer."""
+    model = tiny_model(arch)
+    runner = ModelRunner(model)
+    prefix = torch.randint(3, VOCAB, (prefix_length,), generator=torch.Generator().manual_seed(5)).tolist()
+    tree = sample_tree()
+    cache = cache_ops.new_cache()
+    runner.prefill(cache, prefix)
+    logits = runner.forward(cache, tree).logits
+    for path in tree.paths():
+        with torch.no_grad():
+            out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]]))
+        torch.testing.assert_close(logits[path], out.logits[0, len(prefix) :], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral"])
 def test_keep_path_equals_recompute(arch):
     """After keeping one path of a tree, the cache equals a cache built from scratch on prefix + path."""
     model = tiny_model(arch)
-    runner = TargetRunner(model)
+    runner = ModelRunner(model)
     prefix = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     tree = sample_tree()
     for path in tree.paths():
@@ -92,7 +131,7 @@ def test_keep_path_equals_recompute(arch):
 
 def test_crop():
     model = tiny_model("qwen2")
-    runner = TargetRunner(model)
+    runner = ModelRunner(model)
     cache = cache_ops.new_cache()
     runner.prefill(cache, list(range(3, 20)))
     assert cache_ops.cache_length(cache) == 17
@@ -106,19 +145,19 @@ def test_crop():
 def test_lazy_head_rows_equal_full_logits(arch):
     model = tiny_model(arch)
     prefix = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(4)).tolist()
-    full_runner, lazy_runner = TargetRunner(model, lazy_head=False), TargetRunner(model, lazy_head=True)
+    full_runner, lazy_runner = ModelRunner(model, lazy_head=False), ModelRunner(model, lazy_head=True)
     full_cache, lazy_cache = cache_ops.new_cache(), cache_ops.new_cache()
     full_runner.prefill(full_cache, prefix)
     lazy_runner.prefill(lazy_cache, prefix)
     tree = sample_tree()
-    full = full_runner.forward(full_cache, tree)
-    lazy = lazy_runner.forward(lazy_cache, tree)
+    full = full_runner.forward(full_cache, tree).logits
+    lazy = lazy_runner.forward(lazy_cache, tree).logits
     assert not isinstance(lazy, torch.Tensor)
     for node in range(len(tree)):
         torch.testing.assert_close(lazy[node], full[node], atol=1e-5, rtol=1e-5)
 
 
 def test_lazy_head_auto_only_for_half_precision_cpu():
-    assert not TargetRunner(tiny_model("llama")).lazy_head
-    assert TargetRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head
-    assert not TargetRunner(tiny_model("gpt2", dtype=torch.bfloat16)).lazy_head  # not a known plain-head model
+    assert not ModelRunner(tiny_model("llama")).lazy_head
+    assert ModelRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head
+    assert not ModelRunner(tiny_model("gpt2", dtype=torch.bfloat16)).lazy_head  # not a known plain-head model

@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
@@ -52,12 +55,26 @@ def tiny_config(arch: str, vocab_size: int = VOCAB):
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             **common,
         )
+    if arch == "mistral":
+        # no layer_types: the modeling code applies sliding_window (6, shorter than the test
+        # sequences) to every layer
+        return MistralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=6,
+            max_position_embeddings=256,
+            **common,
+        )
     if arch == "gpt2":
         return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2, **common)
     raise ValueError(arch)
 
 
-ARCHS = ["llama", "qwen2", "gemma3", "gpt2"]
+ARCHS = ["llama", "qwen2", "gemma3", "mistral", "gpt2"]
 
 
 def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = VOCAB):
@@ -100,3 +117,15 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary: 'w3 w4 ...' (with a trivial chat template)."""
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[PAD]"
+    )
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok

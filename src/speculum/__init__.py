@@ -1,7 +1,7 @@
 """speculum: lossless speculative decoding for Hugging Face causal language models."""
 
 from speculum.api import GenerationResult, GenerationStream, Speculum, StreamChunk, load
-from speculum.engine import Stats
+from speculum.stats import Stats
 from speculum.errors import (
     IncompatibleDraftError,
     InvalidInputError,

@@ -45,12 +45,12 @@ class PackedLinear(nn.Module):
 
 
 def supported(model: nn.Module) -> bool:
-    """Prepacking applies to float32 models on CPU where oneDNN is available."""
-    try:
-        param = next(model.parameters())
-    except StopIteration:
+    """Prepacking applies to float32 models on CPU where oneDNN is available (not to models that
+    accelerate dispatches over several devices or offloads: their hooks manage the weights)."""
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return False
-    if param.device.type != "cpu" or param.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if any(hasattr(m, "_hf_hook") for m in model.modules()) or not torch.backends.mkldnn.is_available():
         return False
     try:
         probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), None)

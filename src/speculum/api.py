@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,9 +10,13 @@ from typing import Any
 import torch
 
 from speculum import accel, engine
+from speculum.drafters.base import Resources
 from speculum.errors import InvalidInputError
 from speculum.methods import SpeculativeConfig
+from speculum.models import eos_token_ids, vocab_fingerprint
+from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
+from speculum.stats import Stats
 
 Prompt = str | list[dict] | list[int]
 
@@ -21,7 +26,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # new tokens only
     prompt_ids: list[int]
-    stats: engine.Stats
+    stats: Stats
     method: str = ""
 
 
@@ -52,22 +57,10 @@ class Speculum:
         self.draft_tokenizer = draft_tokenizer
         self.name = name
         self.draft_name = draft_name
-        self.runner = engine.TargetRunner(model)
+        self.runner = ModelRunner(model)
         self._drafters: dict[tuple, Any] = {}
         self._vocab_key: str | None = None
-        self.eos_token_ids = self._eos_ids()
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        generation_config = getattr(self.model, "generation_config", None)
-        eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos is not None:
-            ids.update(int(e) for e in eos)
-        return frozenset(ids)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -97,8 +90,6 @@ class Speculum:
     def vocab_key(self) -> str:
         """Identifies the tokenizer's vocabulary: saved n-gram/phrase pools are only reused under the same one."""
         if self._vocab_key is None:
-            from speculum.models import vocab_fingerprint
-
             self._vocab_key = vocab_fingerprint(self.tokenizer) if self.tokenizer is not None else self.name
         return self._vocab_key
 
@@ -106,14 +97,19 @@ class Speculum:
         """Drafters are built once per configuration and reused (their per-request state resets in start())."""
         key = config.key()
         if key not in self._drafters:
-            cls = config.drafter_class()
-            self._drafters[key] = cls(
-                config.options(),
-                draft_model=self.draft_model,
-                vocab_size=self.vocab_size,
-                model_key=self.vocab_key,
-            )
+            self._drafters[key] = config.drafter_class()(config.options(), self.resources())
         return self._drafters[key]
+
+    def resources(self) -> Resources:
+        """What drafters may use: the target (LM head, embeddings), the draft model, the tokenizer..."""
+        return Resources(
+            target=self.model,
+            draft_model=self.draft_model,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            model_key=self.vocab_key,
+            device=self.runner.output_device,
+        )
 
     def generate(
         self,
@@ -134,11 +130,15 @@ class Speculum:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         prompt_ids = self.encode_prompt(prompt)
         drafter = self.drafter_for(config)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
         generator = None
         if not sampling.greedy:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(seed if seed is not None else torch.seed())
-        stats = engine.Stats()
+            # one generator, on the device where sampling happens (where the target's logits are);
+            # without a seed, fresh entropy that leaves torch's global RNG alone
+            generator = torch.Generator(device=self.runner.output_device)
+            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        stats = Stats()
         steps = engine.run(
             self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats
         )
@@ -151,24 +151,48 @@ class Speculum:
 
     def _stream(self, steps, prompt_ids, stats, method, holder: GenerationStream) -> Iterator[StreamChunk]:
         new_ids: list[int] = []
-        shown = ""
+        text = IncrementalText(self.decode)
         for step in steps:
             new_ids.extend(step)
-            text = self.decode(new_ids)
-            # Hold back an incomplete multi-byte character until the next tokens complete it.
-            if text.endswith("\ufffd"):
-                yield StreamChunk("", step)
-                continue
-            delta = text[len(shown) :] if text.startswith(shown) else text
-            shown = text
-            yield StreamChunk(delta, step)
-        text = self.decode(new_ids)
-        if len(text) > len(shown) and text.startswith(shown):
-            yield StreamChunk(text[len(shown) :], [])
-        holder.result = GenerationResult(text, new_ids, prompt_ids, stats, method)
+            yield StreamChunk(text.add(new_ids), step)
+        full = self.decode(new_ids)
+        tail = text.finish(full)
+        if tail:
+            yield StreamChunk(tail, [])
+        holder.result = GenerationResult(full, new_ids, prompt_ids, stats, method)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class IncrementalText:
+    """Text deltas of a growing token list, decoding only a short window each time (not the whole output).
+
+    As in vLLM / TGI: decode the tokens from ``prefix`` (a few tokens back, so that tokenizers that
+    drop a leading space see the context) to the end, and emit what goes beyond the text of the same
+    window up to ``read``. An incomplete multi-byte character is held back until it completes.
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.prefix = 0  # the window starts here
+        self.read = 0  # tokens already turned into emitted text
+        self.emitted: list[str] = []
+
+    def add(self, ids: list[int]) -> str:
+        before = self.decode(ids[self.prefix : self.read])
+        after = self.decode(ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        delta = after[len(before) :]
+        self.emitted.append(delta)
+        return delta
+
+    def finish(self, full: str) -> str:
+        """What is still missing from ``full`` (the whole output decoded once) after the deltas."""
+        shown = "".join(self.emitted)
+        return full[len(shown) :] if full.startswith(shown) else ""
 
 
 def load(
@@ -178,6 +202,8 @@ def load(
     dtype: str | torch.dtype = "auto",
     device: str = "cpu",
     draft_device: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
     gguf_file: str | None = None,
     prepack: bool | str = "auto",
 ) -> Speculum:
@@ -185,6 +211,8 @@ def load(
 
     ``draft`` is another model (same tokenizer) or ``"self:N"``: the target's own first N layers
     with its final norm and LM head (no extra weights). ``draft_device`` puts the draft elsewhere.
+    ``device_map`` (accelerate's: ``"auto"`` or a dict of module -> device, with ``offload_folder``
+    for ``"disk"``) splits a big target over several devices; the draft goes on ``draft_device``.
     ``prepack`` ("auto": where supported, i.e. float32 on CPU) reorders linear weights once for
     oneDNN, which makes verifying a few tokens cost about one decode step (see ``speculum.accel``).
     """
@@ -193,7 +221,9 @@ def load(
     if prepack not in (True, False, "auto"):
         raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
     name = model or models.DEFAULT_MODEL
-    target, tokenizer = models.load_model(name, dtype=dtype, device=device, gguf_file=gguf_file)
+    target, tokenizer = models.load_model(
+        name, dtype=dtype, device=device, gguf_file=gguf_file, device_map=device_map, offload_folder=offload_folder
+    )
     if prepack:
         accel.prepack(target)  # before building a self-draft, which then shares the packed layers
     draft_model = draft_tokenizer = None
@@ -202,7 +232,8 @@ def load(
         if self_layers is not None:
             draft_model, draft_tokenizer = models.make_self_draft(target, self_layers), tokenizer
         else:
-            draft_model, draft_tokenizer = models.load_model(draft, dtype=dtype, device=draft_device or device)
+            draft_device = draft_device or (device if device_map is None else "cpu")
+            draft_model, draft_tokenizer = models.load_model(draft, dtype=dtype, device=draft_device)
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
             if prepack:
                 accel.prepack(draft_model)

@@ -17,6 +17,15 @@ METHODS: dict[str, str] = {
 }
 
 
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(value.items(), key=str))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_frozen(v) for v in value]
+        return tuple(sorted(items, key=repr)) if isinstance(value, (set, frozenset)) else tuple(items)
+    return value
+
+
 class SpeculativeConfig:
     """A method and its parameters, vLLM-style::
 
@@ -54,7 +63,8 @@ class SpeculativeConfig:
             raise InvalidInputError(f"bad parameters for {self.method!r}: {err}") from None
 
     def key(self) -> tuple:
-        return (self.method, self.num_speculative_tokens, tuple(sorted(self.params.items(), key=str)))
+        """A hashable identity (drafters are cached by it); list values such as tree choices become tuples."""
+        return (self.method, self.num_speculative_tokens, _frozen(sorted(self.params.items(), key=str)))
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())

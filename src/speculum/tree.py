@@ -1,22 +1,90 @@
-"""TokenTree: the one shape every draft takes (a chain is a tree with one child per node).
+"""Draft and TokenTree: the one shape every draft takes (a chain is a tree with one child per node).
 
-Node 0 is the root: the last committed token, whose key/values are not in the cache yet. Each
-other node is a draft token below its parent. From the parallel arrays ``tokens``/``parents``
-come everything the target forward and the verifier need: depths (position ids), the ancestor
-matrix (attention mask), children lists and root-to-leaf paths.
+A drafter returns a :class:`Draft` (its tokens below the last committed token, in its own
+numbering). The engine turns it into a :class:`TokenTree` for one target forward: node 0 is the
+root (the last committed token, whose key/values are not in the cache yet), nodes deeper than the
+tokens left to generate are dropped, and deterministic siblings holding the same token are merged
+(lookahead guesses and phrase branches often share prefixes). The tree remembers which draft node
+each of its nodes came from, so everything reported back to the drafter uses the drafter's own
+indices. From the parallel arrays ``tokens``/``parents`` come everything the target forward and the
+verifier need: depths (position ids), the ancestor matrix (attention mask), children, paths.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from speculum.drafters.base import Draft
+
+@dataclass
+class Draft:
+    """Draft tokens hanging below the last committed token (the root of the tree).
+
+    ``parents[i]`` is the index of node i's parent in this list, or -1 when node i is a child of
+    the root; parents come before children.
+
+    ``probs`` says how each token was chosen:
+
+    - ``None``: every node is *deterministic* (n-gram, prompt lookup, phrases, heads, greedy drafts);
+    - a tensor ``[len(tokens), vocab]``: node i was *sampled* from ``probs[i]`` (the draft's warped
+      distribution at its parent, over the target's vocabulary);
+    - a list with one entry per node, a ``[vocab]`` tensor or ``None``: a mix, node by node (a
+      sampled draft lengthened by deterministic phrases). A one-hot row is the same as ``None``.
+
+    Sampled siblings must be independent samples (of the same or different distributions);
+    deterministic siblings holding the same token are merged by the tree builder.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor | list[torch.Tensor | None] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        if self.probs is not None and len(self.probs) != len(self.tokens):
+            raise ValueError("probs must have one entry per draft node")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"draft node {i} has parent {parent}: parents must come before their children")
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | list | None = None) -> Draft:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def q(self, node: int) -> torch.Tensor | None:
+        """The distribution draft node ``node`` was sampled from, or None when it is deterministic."""
+        return None if self.probs is None else self.probs[node]
+
+    def depths(self) -> list[int]:
+        """Depth of each node (1 for children of the root)."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
 
 
 class TokenTree:
-    def __init__(self, tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None = None):
+    """A token tree ready for one forward: ``tokens[0]`` is the root, ``parents[0] == -1``.
+
+    ``draft_probs[i]`` is the distribution node i's token was sampled from, or None for a
+    deterministic node (and for the root); ``draft_probs`` itself is None when no node was sampled.
+    ``source[i]`` is the draft index node i came from (-1 for the root); ``node_of[j]`` is the tree
+    node of draft node j (-1 when it was dropped as too deep).
+    """
+
+    def __init__(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        draft_probs: list[torch.Tensor | None] | None = None,
+        source: list[int] | None = None,
+    ):
         if not tokens or parents[0] != -1:
             raise ValueError("node 0 must be the root (parent -1)")
         if len(tokens) != len(parents):
@@ -26,27 +94,47 @@ class TokenTree:
                 raise ValueError(f"node {i} has parent {p}: parents must come before their children")
         self.tokens = list(tokens)
         self.parents = list(parents)
-        # draft_probs[i] is the distribution node i's token was sampled from (stochastic drafts);
-        # row 0 (the root) is unused.
         self.draft_probs = draft_probs
+        self.source = list(source) if source is not None else list(range(-1, len(tokens) - 1))
+        self.node_of = [-1] * (max(self.source) + 1)
+        for node, j in enumerate(self.source):
+            if j >= 0:
+                self.node_of[j] = node
 
     @classmethod
-    def from_draft(cls, root_token: int, draft: Draft | None) -> TokenTree:
+    def from_draft(cls, root_token: int, draft: Draft | None, max_depth: int | None = None) -> TokenTree:
+        """The tree for ``draft`` below ``root_token``: nodes deeper than ``max_depth`` dropped,
+        deterministic siblings with equal tokens merged (with their subtrees)."""
         if draft is None or len(draft) == 0:
             return cls([root_token], [-1])
-        parents = [-1] + [p + 1 for p in draft.parents]  # shift: draft index -1 is the root (0)
-        probs = None
-        if draft.probs is not None:
-            probs = torch.cat([draft.probs[:1] * 0, draft.probs], dim=0)
-        tree = cls([root_token, *draft.tokens], parents, probs)
-        for node, kids in enumerate(tree.children):
-            toks = [tree.tokens[k] for k in kids]
-            if probs is None and len(set(toks)) != len(toks):
-                raise ValueError(f"node {node} has repeated child tokens {toks}; merge them in the drafter")
+        tokens, parents, probs, source, depth = [root_token], [-1], [None], [-1], [0]
+        node_of = [-1] * len(draft)
+        deterministic_child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+            parent_node = 0 if parent < 0 else node_of[parent]
+            if parent_node < 0 or (max_depth is not None and depth[parent_node] >= max_depth):
+                continue  # below a dropped node, or too deep
+            q = draft.q(j)
+            if q is None and (parent_node, token) in deterministic_child:
+                node_of[j] = deterministic_child[(parent_node, token)]
+                continue
+            node_of[j] = len(tokens)
+            if q is None:
+                deterministic_child[(parent_node, token)] = len(tokens)
+            tokens.append(int(token))
+            parents.append(parent_node)
+            probs.append(q)
+            source.append(j)
+            depth.append(depth[parent_node] + 1)
+        tree = cls(tokens, parents, probs if any(q is not None for q in probs) else None, source)
+        tree.node_of = node_of  # merged draft nodes map to the node that kept their token
         return tree
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def q(self, node: int) -> torch.Tensor | None:
+        return None if self.draft_probs is None else self.draft_probs[node]
 
     @cached_property
     def depth(self) -> list[int]:
@@ -70,12 +158,9 @@ class TokenTree:
     def ancestor_mask(self) -> torch.Tensor:
         """``[n, n]`` bool: entry (i, j) is True when node j is node i itself or one of its ancestors."""
         n = len(self.tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] |= mask[p]  # parents come first, so their row is complete
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[self.parents[i]]  # parents come first, so their row is complete
         return mask
 
     def path_to(self, node: int) -> list[int]:
@@ -85,6 +170,19 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+    def draft_path(self, path: list[int], draft: Draft) -> list[int]:
+        """The draft indices along a tree path (root excluded), in the drafter's own numbering.
+
+        Where merged draft nodes share a tree node, the draft path ending at the deepest node is
+        the one reported, so consecutive indices are parent and child in ``draft``.
+        """
+        if len(path) < 2:
+            return []
+        nodes = [self.source[path[-1]]]
+        while len(nodes) < len(path) - 1:
+            nodes.append(draft.parents[nodes[-1]])
+        return nodes[::-1]
 
     def leaves(self) -> list[int]:
         return [i for i, kids in enumerate(self.children) if not kids]

@@ -4,14 +4,16 @@ Given a TokenTree and the target's logits at every node (row i predicts the toke
 walk down from the root and return the accepted path plus one token from the target (the bonus
 token after a fully accepted path, or the correction at the first rejection).
 
-Three rules, all lossless:
+Rules, all lossless:
 - greedy: follow the child whose token equals the target's argmax;
-- sampling, deterministic draft: sample y from the warped target distribution at the current
-  node and follow the child holding y (equivalent to rejection sampling with a one-hot draft);
-- sampling, stochastic draft: try each child x (an i.i.d. sample of the draft's q) with
-  probability min(1, p(x)/q(x)); after a rejection continue with p <- norm(max(p - q, 0)).
-  For a chain this is Leviathan/Chen speculative sampling; for a tree it is SpecInfer's
-  multi-candidate rule.
+- sampling, every child of the current node deterministic (n-gram, phrases, heads): sample y from
+  the warped target distribution p and follow the child holding y (equivalent to rejection
+  sampling with one-hot drafts);
+- sampling, some child sampled from a draft distribution q: try the children in order, accepting
+  child x with probability min(1, p(x)/q(x)); after a rejection p <- norm(max(p - q, 0)). A
+  deterministic child is the same rule with a one-hot q (accept with p(x), then zero p(x)). For a
+  chain this is Leviathan/Chen speculative sampling; for a tree, SpecInfer's multi-candidate rule,
+  which stays exact for any mix as long as each child was drawn independently of its siblings.
 """
 
 from __future__ import annotations
@@ -36,15 +38,13 @@ class Verdict:
 
 def verify(
     tree: TokenTree,
-    logits: torch.Tensor,
+    logits,
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> Verdict:
     if sampling.greedy:
         return _verify_greedy(tree, logits)
-    if tree.draft_probs is None:
-        return _verify_sampled_deterministic(tree, logits, sampling, generator)
-    return _verify_sampled_stochastic(tree, logits, sampling, generator)
+    return _verify_sampled(tree, logits, sampling, generator)
 
 
 def _child_with_token(tree: TokenTree, node: int, token: int) -> int | None:
@@ -75,37 +75,39 @@ class _LazyArgmax:
         return int(self.logits[node].argmax())
 
 
-def _verify_sampled_deterministic(
-    tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> Verdict:
-    path = [0]
-    while True:
-        token = sample(warp(logits[path[-1]], sampling)[0], generator)
-        child = _child_with_token(tree, path[-1], token)
-        if child is None:
-            return Verdict(path, token)
-        path.append(child)
-
-
-def _verify_sampled_stochastic(
-    tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> Verdict:
+def _verify_sampled(tree: TokenTree, logits, sampling: SamplingParams, generator: torch.Generator | None) -> Verdict:
     path = [0]
     while True:
         node = path[-1]
         p = warp(logits[node], sampling)[0]
+        children = tree.children[node]
+        if all(tree.q(child) is None for child in children):
+            token = sample(p, generator)
+            child = _child_with_token(tree, node, token)
+            if child is None:
+                return Verdict(path, token)
+            path.append(child)
+            continue
         accepted = None
-        for child in tree.children[node]:
-            q = tree.draft_probs[child].to(p.device, torch.float32)
-            x = tree.tokens[child]
-            u = torch.rand((), generator=generator, device=p.device).item()
-            if u * q[x].item() < p[x].item():  # u < p(x)/q(x) without dividing by zero
-                accepted = child
-                break
-            residual = torch.clamp(p - q, min=0)
-            total = residual.sum()
-            if total.item() > 0:  # p == q leaves nothing, but then x was accepted with prob. 1
-                p = residual / total
+        for child in children:
+            x, q = tree.tokens[child], tree.q(child)
+            u = torch.rand((), generator=generator, device=p.device)
+            if q is None:  # one-hot draft
+                if (u < p[x]).item():
+                    accepted = child
+                    break
+                p = p.clone()
+                p[x] = 0.0  # p(x) < 1 here (u < 1), so something is left
+                p = p / p.sum()
+            else:
+                q = q.to(p.device, torch.float32)
+                if (u * q[x] < p[x]).item():  # u < p(x)/q(x) without dividing by zero
+                    accepted = child
+                    break
+                residual = torch.clamp(p - q, min=0)
+                total = residual.sum()
+                # p == q leaves nothing, but then x was accepted with probability 1: keep p as is
+                p = torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
         if accepted is None:
             return Verdict(path, sample(p, generator))
         path.append(accepted)

@@ -214,16 +214,6 @@ RECORD_KEYS = (
 )
 
 
-def _eos_ids(model) -> set[int]:
-    out: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is None:
-            continue
-        out.update([eos] if isinstance(eos, int) else list(eos))
-    return out
-
-
 def hf_generate_kwargs(method: MethodSpec, spec, draft: str | None) -> dict | None:
     """transformers' ``generate`` kwargs for a transformers row; None when the row does not apply."""
     kw: dict[str, Any] = {}
@@ -253,10 +243,11 @@ def run_transformers(
     device = getattr(model, "device", None) or "cpu"
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+    eos_set = spec.eos_token_ids  # the engine's own stopping rule, so both sides stop at the same token
+    eos = sorted(eos_set) or None
     pad = getattr(gc, "pad_token_id", None) if gc is not None else None
     if pad is None:
-        pad = eos if isinstance(eos, int) else (eos[0] if eos else None)
+        pad = eos[0] if eos else None
     kw: dict[str, Any] = dict(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -279,7 +270,6 @@ def run_transformers(
         out = model.generate(**kw)
         wall = time.perf_counter() - t0
     new = out[0, input_ids.shape[1] :].tolist()
-    eos_set = _eos_ids(model)
     for i, t in enumerate(new):
         if t in eos_set:
             new = new[: i + 1]

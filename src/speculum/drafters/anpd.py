@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.drafters.ngram_table import DEFAULT_MAX_ENTRIES, NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -95,10 +95,9 @@ class Options:
 class AnpdDrafter(Drafter):
     """Adaptive multi-level n-gram drafter (see the module docstring).
 
-    ``AnpdDrafter(options, *, model_key="", table=None, **resources)``: ``model_key`` identifies
-    the tokenizer/vocabulary for pool files; ``table`` shares an existing :class:`NgramTable`
-    across drafters (implies persistence; its levels must match the options). Other resources the
-    engine passes (``draft_model``, ``vocab_size``) are not needed and ignored.
+    ``AnpdDrafter(options, resources, *, table=None)``: ``resources.model_key`` identifies the
+    tokenizer/vocabulary for pool files; ``table`` shares an existing :class:`NgramTable` across
+    drafters (implies persistence; its levels must match the options).
     """
 
     name: ClassVar[str] = "anpd"
@@ -107,16 +106,14 @@ class AnpdDrafter(Drafter):
     def __init__(
         self,
         options: Options | None = None,
+        resources: Resources | None = None,
         *,
-        model_key: str = "",
         table: NgramTable | None = None,
-        **_resources: object,  # what the engine hands every drafter (draft_model, vocab_size...)
     ) -> None:
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise InvalidInputError(f"anpd: expected anpd Options, got {type(options).__name__}")
-        if not isinstance(model_key, str):
-            raise InvalidInputError(f"anpd: model_key must be a string, got {model_key!r}")
+        model_key = resources.model_key if resources is not None else ""
         self.options = options
         self.model_key = model_key
         self._persist = options.persist or options.pool_path is not None or table is not None
@@ -222,6 +219,10 @@ class AnpdDrafter(Drafter):
             self._k = min(k_max, self._k + 2)
         elif accepted == 0:
             self._k = max(1, self._k // 2)
+
+    def finish(self, ctx: DraftContext) -> None:
+        """The request is over: the tokens of its last step reach the table too (observe never saw them)."""
+        self._sync(ctx.tokens)
 
     # ------------------------------------------------------------------ files
 

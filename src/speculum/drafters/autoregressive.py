@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speculum.drafters.base import Drafter
+from speculum.drafters.base import Drafter, Resources
 
 
 @dataclass
@@ -15,5 +15,5 @@ class Options:
 class AutoregressiveDrafter(Drafter):
     name = "autoregressive"
 
-    def __init__(self, options: Options | None = None, **_):
+    def __init__(self, options: Options | None = None, resources: Resources | None = None):
         self.options = options

@@ -1,61 +1,56 @@
-"""The drafter protocol: propose a token tree, observe what was accepted.
+"""The drafter protocol: propose a token tree, observe what the target did with it.
 
 A drafter never touches the target's KV cache and never decides acceptance; the engine and the
 verifier do. Every drafter file defines one ``Drafter`` subclass and an ``Options`` dataclass
-listing the parameters a user may set through ``SpeculativeConfig``.
+listing the parameters a user may set through ``SpeculativeConfig``. Its constructor takes
+``(options, resources)``: :class:`Resources` lends it what it may need (the target's LM head and
+embeddings, the tokenizer, a draft model and a runner for it).
+
+A request runs ``start`` once, then ``propose`` / ``observe`` once per target forward, then
+``finish``. ``observe`` receives an :class:`Outcome`: what was accepted and, read on demand, what
+the target computed at every node of the verified tree (argmax, warped probabilities) and, for
+drafters that set ``wants_hidden_states``, its last hidden state along the accepted path (and over
+the prompt, in ``DraftContext.prefill_hidden``). Nothing is computed for a drafter that asks for
+nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from speculum.sampling import SamplingParams
+from speculum.runner import LazyLogits, ModelRunner
+from speculum.sampling import SamplingParams, warp
+from speculum.tree import Draft, TokenTree
+
+__all__ = ["Draft", "DraftContext", "Drafter", "Outcome", "Resources", "TargetOutputs"]
 
 
 @dataclass
-class Draft:
-    """Draft tokens hanging below the last committed token (the root of the tree).
+class Resources:
+    """What the engine lends a drafter; every field is optional, a drafter takes what it needs."""
 
-    ``parents[i]`` is the index of node i's parent in this list, or -1 when node i is a child of
-    the root. Parents come before children. Siblings must hold distinct tokens.
-    ``probs`` (optional, ``[len(tokens), vocab]``) marks a *stochastic* draft: node i's token was
-    sampled from ``probs[i]`` (the draft's warped distribution at its parent). Siblings of a
-    stochastic tree are i.i.d. samples of the same distribution. Without ``probs`` the draft is
-    deterministic (n-gram, prompt lookup, phrases, heads).
-    """
+    target: torch.nn.Module | None = None  # the target model (for its LM head and embeddings)
+    draft_model: torch.nn.Module | None = None
+    tokenizer: Any = None
+    vocab_size: int | None = None  # width of the target's logits: draft distributions must match it
+    model_key: str = ""  # identity of the tokenizer's vocabulary: saved pools are refused under another
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where sampling happens
 
-    tokens: list[int]
-    parents: list[int]
-    probs: torch.Tensor | None = None
+    @property
+    def lm_head(self) -> torch.nn.Module | None:
+        return self.target.get_output_embeddings() if self.target is not None else None
 
-    @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+    @property
+    def embeddings(self) -> torch.nn.Module | None:
+        return self.target.get_input_embeddings() if self.target is not None else None
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def depths(self) -> list[int]:
-        """Depth of each node (1 for children of the root)."""
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return depth
-
-    def truncated(self, max_depth: int) -> Draft:
-        """The same draft without nodes deeper than ``max_depth``."""
-        depth = self.depths()
-        if not depth or max(depth) <= max_depth:
-            return self
-        keep = [i for i, d in enumerate(depth) if d <= max_depth]
-        new_index = {old: new for new, old in enumerate(keep)}
-        parents = [new_index.get(self.parents[i], -1) for i in keep]
-        probs = self.probs[keep] if self.probs is not None else None
-        return Draft([self.tokens[i] for i in keep], parents, probs)
+    def runner(self, model: torch.nn.Module) -> ModelRunner:
+        """A runner of the drafter's own for ``model`` (its own cache, chains and trees)."""
+        return ModelRunner(model, lazy_head=False)
 
 
 @dataclass
@@ -65,9 +60,55 @@ class DraftContext:
     tokens: list[int]  # every committed token: prompt + generated; tokens[-1] is the tree's root
     prompt_length: int
     sampling: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # on ``device``: sample there
     max_depth: int  # deepest useful draft this step (tokens left to generate minus the bonus)
     eos_token_ids: frozenset[int] = frozenset()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the target's logits are
+    # The target's last hidden states of tokens[:-1] from the prefill ([len - 1, hidden]), for
+    # drafters with wants_hidden_states (None otherwise).
+    prefill_hidden: torch.Tensor | None = None
+
+
+class TargetOutputs:
+    """What the target computed over the verified tree, read on demand (nothing is computed unless asked).
+
+    Nodes are the drafter's own draft indices, -1 being the root (as in ``Draft.parents``); the
+    target's output *at* a node predicts the token *after* it.
+    """
+
+    def __init__(self, tree: TokenTree, logits, sampling: SamplingParams, hidden: torch.Tensor | None):
+        self.tree = tree
+        self._logits = logits
+        self._sampling = sampling
+        self.hidden_states = hidden  # [1 + accepted, hidden]: root first, then the accepted nodes
+
+    def _tree_node(self, node: int) -> int:
+        tree_node = 0 if node == -1 else self.tree.node_of[node]
+        if tree_node < 0:
+            raise IndexError(f"draft node {node} was not verified (deeper than the tokens left to generate)")
+        return tree_node
+
+    @cached_property
+    def _tree_argmax(self) -> list[int]:
+        logits = self._logits.materialize() if isinstance(self._logits, LazyLogits) else self._logits
+        return logits.argmax(dim=-1).tolist()
+
+    def argmax(self, node: int = -1) -> int:
+        """The target's most likely token after ``node``."""
+        return self._tree_argmax[self._tree_node(node)]
+
+    def argmaxes(self) -> list[int]:
+        """The target's most likely token after each draft node (-1 for nodes not verified)."""
+        best = self._tree_argmax
+        return [best[n] if n >= 0 else -1 for n in self.tree.node_of]
+
+    def probs(self, node: int = -1) -> torch.Tensor:
+        """The target's distribution after ``node``: warped as the request samples (temperature,
+        top-k, top-p), or the plain softmax for a greedy request."""
+        row = self._logits[self._tree_node(node)]
+        if self._sampling.greedy:
+            return torch.softmax(row.float(), dim=-1)
+        return warp(row, self._sampling)[0]
 
 
 @dataclass
@@ -77,7 +118,9 @@ class Outcome:
     accepted: list[int]  # draft tokens accepted (along the chosen path), in order
     accepted_nodes: list[int]  # their indices in the Draft
     next_token: int  # the target's own token after the accepted path (bonus or correction)
-    drafted: int  # how many draft tokens were proposed this step
+    drafted: int  # how many tree nodes were verified below the root (merged duplicates counted once)
+    draft: Draft | None = None  # the draft as proposed
+    target: TargetOutputs | None = None
     stats: dict = field(default_factory=dict)
 
 
@@ -85,6 +128,9 @@ class Drafter:
     """Base class: a drafter that proposes nothing (plain decoding)."""
 
     name: ClassVar[str] = "autoregressive"
+    # Set by drafters that read the target's last hidden state (heads): the engine then returns it
+    # from the prefill (DraftContext.prefill_hidden) and from every step (Outcome.target.hidden_states).
+    wants_hidden_states: bool = False
 
     def start(self, ctx: DraftContext) -> None:
         """A new request: the prompt is ``ctx.tokens``."""
@@ -94,7 +140,11 @@ class Drafter:
         return None
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
-        """Learn from the step's result; ``ctx.tokens`` already holds the newly committed tokens."""
+        """Learn from the step's result; ``ctx.tokens`` already holds the newly committed tokens.
+        (Not called after the step that ends the request: ``finish`` is.)"""
+
+    def finish(self, ctx: DraftContext) -> None:
+        """The request is over (``ctx.tokens`` holds every committed token): persistent pools learn the end."""
 
     @property
     def forwards(self) -> int:

@@ -1,9 +1,16 @@
 """Speculative decoding / sampling with a separate (smaller) draft model (Leviathan et al.; Chen et al.).
 
-The draft model keeps its own KV cache. Each round it catches up on the tokens it has not seen,
-then drafts up to K tokens autoregressively (greedy: argmax; sampling: from its warped
-distribution q, which the verifier needs for the min(1, p/q) rule). The round's length comes
-from a length policy (fixed K, transformers' heuristic, or a confidence stop).
+The draft model keeps its own KV cache (through its own ModelRunner). Each round it catches up on
+the tokens it has not seen, then drafts up to K tokens autoregressively (greedy: argmax; sampling:
+from its warped distribution q, which the verifier needs for the min(1, p/q) rule). The round's
+length comes from a length policy (fixed K, transformers' heuristic, a confidence stop, ...),
+which sees each drafted token with the draft's logits (and hidden state, if it asks).
+
+The draft's logits are fitted to the target's width before anything else: cut when the draft's
+head is wider, padded with -inf (no probability mass) when the target's is (Qwen2.5-7B's padded
+152,064-row head against the 0.5B's 151,936). A token the target emits that the draft cannot
+embed (one of those padding ids) reaches the draft as its pad token instead: its guesses get
+worse for a moment, the output does not change.
 """
 
 from __future__ import annotations
@@ -12,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from speculum import cache as cache_ops
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.errors import InvalidInputError
-from speculum.policies import make_policy
+from speculum.policies import DraftStep, make_policy
 from speculum.sampling import sample, warp
 
 
@@ -33,13 +39,15 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
     needs_draft_model = True
 
-    def __init__(self, options: Options, *, draft_model: torch.nn.Module, vocab_size: int, **_):
-        if draft_model is None:
+    def __init__(self, options: Options, resources: Resources | None = None):
+        resources = resources or Resources()
+        if resources.draft_model is None:
             raise InvalidInputError("method 'draft_model' needs a draft model: load(..., draft=...)")
         self.options = options
-        self.model = draft_model
-        self.vocab_size = vocab_size  # the target's: draft distributions are cut to it
-        self.device = next(draft_model.parameters()).device
+        self.runner = resources.runner(resources.draft_model)
+        self.vocab_size = resources.vocab_size  # the target's: draft distributions are fitted to it
+        self.embeddable = resources.draft_model.get_input_embeddings().num_embeddings
+        self.stand_in = getattr(resources.draft_model.config, "pad_token_id", None) or 0
         self.policy = make_policy(options.length_policy, options.num_speculative_tokens, options.confidence_threshold)
         self._forwards = 0
 
@@ -48,32 +56,49 @@ class DraftModelDrafter(Drafter):
         return self._forwards
 
     def start(self, ctx: DraftContext) -> None:
-        self.cache = cache_ops.new_cache()
+        self.cache = self.runner.new_cache()
         self.seen: list[int] = []  # the tokens whose keys/values are in self.cache
+        self.committed = 0  # leading entries of self.seen known to be committed tokens
         self.policy.reset()
         self._forwards = 0
 
-    @torch.inference_mode()
-    def _forward(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor([token_ids], device=self.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+    def _forward(self, token_ids: list[int], ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``token_ids``; the draft's logits after the last one (on the sampling device, at the
+        target's width) and, if the policy reads it, its hidden state there."""
+        feed = [t if t < self.embeddable else self.stand_in for t in token_ids]
+        out = self.runner.forward(self.cache, feed, last_only=True, hidden=self.policy.needs_hidden)
         self._forwards += 1
         self.seen.extend(token_ids)
-        return out.logits[0, -1, : self.vocab_size].float().cpu()
+        logits = self._fit(out.logits[-1].to(ctx.device))
+        return logits, out.hidden[-1] if out.hidden is not None else None
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[: self.vocab_size]
+        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
+        return torch.cat([logits, pad])
+
+    def _catch_up(self, tokens: list[int]) -> int:
+        """Crop the draft cache to the longest prefix it shares with the committed tokens (always
+        leaving the last one to feed); returns its length. Only positions after the tokens that were
+        already committed at the last round can differ, so only those are compared."""
+        keep = self.committed
+        limit = min(len(self.seen), len(tokens) - 1)
+        while keep < limit and self.seen[keep] == tokens[keep]:
+            keep += 1
+        self.runner.crop(self.cache, keep)
+        del self.seen[keep:]
+        return keep
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
-        # Roll back to the longest prefix the draft cache shares with the committed tokens,
-        # keeping at least one token to feed so that we get logits after the last one.
-        keep = 0
-        limit = min(len(self.seen), len(ctx.tokens) - 1)
-        while keep < limit and self.seen[keep] == ctx.tokens[keep]:
-            keep += 1
-        cache_ops.crop(self.cache, keep)
-        del self.seen[keep:]
-        logits = self._forward(ctx.tokens[keep:])
+        keep = self._catch_up(ctx.tokens)
+        logits, hidden = self._forward(ctx.tokens[keep:], ctx)
+        self.committed = len(ctx.tokens)
 
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -88,11 +113,9 @@ class DraftModelDrafter(Drafter):
             tokens.append(token)
             if len(tokens) >= budget or token in ctx.eos_token_ids:
                 break
-            if self.policy.uses_confidence:
-                confidence = float((dist if dist is not None else torch.softmax(logits, dim=-1))[token])
-                if self.policy.should_stop(confidence):
-                    break
-            logits = self._forward([token])
+            if self.policy.should_stop(DraftStep(len(tokens) - 1, token, logits, dist, hidden)):
+                break
+            logits, hidden = self._forward([token], ctx)
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:

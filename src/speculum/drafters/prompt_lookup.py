@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speculum.drafters.base import Draft, DraftContext, Drafter
+from speculum.drafters.base import Draft, DraftContext, Drafter, Resources
 from speculum.errors import InvalidInputError
 
 
@@ -30,7 +30,7 @@ class Options:
 class PromptLookupDrafter(Drafter):
     name = "prompt_lookup"
 
-    def __init__(self, options: Options, **_):
+    def __init__(self, options: Options, resources: Resources | None = None):
         self.options = options
 
     def propose(self, ctx: DraftContext) -> Draft | None:

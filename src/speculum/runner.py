@@ -1,0 +1,241 @@
+"""ModelRunner: runs one model (the target, or a draft model that drafts with trees) over a token tree.
+
+Everything model-specific about a forward lives here, so the loop, the verifier and the drafters
+never touch attention masks or devices:
+
+- chains go through the model's own causal masking (the same code path as plain decoding); trees
+  get an explicit additive mask (the cached prefix plus each node's ancestors) and per-node
+  position ids;
+- sliding windows are applied per layer the way the modeling code does: ``config.layer_types``
+  where the model has it (Gemma 3, Qwen2, ...: one mask per layer type), otherwise
+  ``config.sliding_window`` on every layer (Mistral, Mixtral, Phi-3, Starcoder2, ...);
+- tree masks need SDPA or eager attention: a model loaded with another implementation (flash
+  attention, flex, ...) is switched to SDPA once, with a warning, or refused;
+- inputs go to the device of the input embeddings and logits come back on the device of the LM
+  head, also for models split over several devices by accelerate (``device_map``);
+- the last hidden state (the LM head's input) is returned when asked for, from the same forward;
+  for architectures whose logits are exactly ``head(hidden)`` the head runs separately, on the
+  rows needed only (``LazyLogits``), otherwise ``output_hidden_states`` supplies it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from speculum import cache as cache_ops
+from speculum.errors import InvalidInputError
+from speculum.tree import TokenTree
+
+logger = logging.getLogger(__name__)
+
+TREE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit 4D float mask
+# Architectures whose logits are exactly lm_head(model(x)) (Gemma adds soft-capping, handled below).
+PLAIN_HEAD = {
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "starcoder2",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+}
+
+
+@dataclass
+class StepOutput:
+    """What one forward over a tree gives back."""
+
+    logits: torch.Tensor | LazyLogits  # [n, vocab]: row i predicts the token after node i
+    hidden: torch.Tensor | None = None  # [n, hidden]: the last hidden state (LM head input), when asked for
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: accelerate's hook device if it has one, else its weights' device."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", [hook]) if hook is not None else []:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    for tensor in chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """Each kind of attention layer the model has -> its sliding window (None: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:  # the modeling code applies config.sliding_window (if any) to every layer
+        return {"full_attention": window}
+    kinds = set(layer_types)
+    unsupported = kinds - {"full_attention", "sliding_attention"}
+    if unsupported:
+        raise InvalidInputError(f"layer types {sorted(unsupported)} are not supported for tree verification yet")
+    return {kind: window if kind == "sliding_attention" else None for kind in kinds}
+
+
+def ensure_tree_attention(model: torch.nn.Module) -> None:
+    """Tree masks need SDPA or eager attention: switch the model to SDPA if it uses something else."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl in TREE_ATTENTION:
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+    except Exception as error:  # noqa: BLE001 - any failure means we cannot verify trees on it
+        raise InvalidInputError(
+            f"the model uses attention implementation {impl!r}, which cannot take tree attention masks, and "
+            f"switching it to 'sdpa' failed ({error}); load it with attn_implementation='sdpa'"
+        ) from None
+    if model.config._attn_implementation not in TREE_ATTENTION:
+        raise InvalidInputError(
+            f"the model uses attention implementation {impl!r}, which cannot take tree attention masks; "
+            "load it with attn_implementation='sdpa'"
+        )
+    logger.warning("speculum: switched attention from %r to 'sdpa' (tree verification needs explicit masks)", impl)
+
+
+class ModelRunner:
+    """Runs ``model`` over token trees after its cached prefix (target and draft models alike)."""
+
+    def __init__(self, model: torch.nn.Module, lazy_head: bool | None = None):
+        self.model = model
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        ensure_tree_attention(model)
+        self.windows = attention_windows(config)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.input_device = execution_device(model.get_input_embeddings())
+        head = model.get_output_embeddings()
+        self.output_device = execution_device(head) if head is not None else self.input_device
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.split_head = model.config.model_type in PLAIN_HEAD and hasattr(model, "model") and head is not None
+        self.lazy_head = lazy_head if lazy_head is not None else self._lazy_head_pays()
+        if self.lazy_head and not self.split_head:
+            raise InvalidInputError(f"lazy_head needs a plain LM head; {model.config.model_type} has another")
+
+    def _lazy_head_pays(self) -> bool:
+        """Compute LM-head rows only along the path the verifier walks, instead of for the whole tree?
+
+        Worth it where the head's cost grows with the number of rows: half precision on a CPU
+        (compute-bound where bf16 is emulated).
+        """
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        return self.split_head and half and self.output_device.type == "cpu"
+
+    def new_cache(self):
+        return cache_ops.new_cache()
+
+    def crop(self, cache, length: int) -> None:
+        """Keep the first ``length`` positions of the cache."""
+        cache_ops.crop(cache, length)
+
+    def commit(self, cache, past_length: int, path: list[int]) -> None:
+        """Keep only the accepted path's keys/values after a tree forward."""
+        cache_ops.keep_path(cache, past_length, path)
+
+    @torch.inference_mode()
+    def prefill(self, cache, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
+        """Put ``token_ids`` in the cache; their last hidden states ``[len, hidden]`` if asked for."""
+        if not token_ids:
+            return None
+        ids = torch.tensor([token_ids], device=self.input_device)
+        if self.split_head:  # no logits needed: skip the LM head altogether
+            out = self.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            return out.last_hidden_state[0] if hidden else None
+        out = self.model(
+            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, output_hidden_states=hidden
+        )
+        return out.hidden_states[-1][0] if hidden else None
+
+    @torch.inference_mode()
+    def forward(
+        self, cache, tree: TokenTree | list[int], *, hidden: bool = False, last_only: bool = False
+    ) -> StepOutput:
+        """Run ``tree`` (or a chain of token ids) after the cache; its keys/values are appended.
+
+        ``last_only``: logits of the last node only (``[1, vocab]``, e.g. a draft model's next token).
+        """
+        if not isinstance(tree, TokenTree):
+            tree = TokenTree(list(tree), list(range(-1, len(tree) - 1)))
+        past = cache_ops.cache_length(cache)
+        inputs = dict(
+            input_ids=torch.tensor([tree.tokens], device=self.input_device), past_key_values=cache, use_cache=True
+        )
+        if not tree.is_chain:
+            positions = tree.position_ids(past).to(self.input_device)
+            inputs.update(attention_mask=self._tree_mask(tree, past, positions), position_ids=positions[None])
+        if self.split_head and (hidden or self.lazy_head or last_only):
+            states = self.model.model(**inputs).last_hidden_state[0]
+            if last_only:
+                logits = self._head(states[-1:])
+            elif self.lazy_head and len(tree) > 1:
+                logits = LazyLogits(states, self._head)
+            else:
+                logits = self._head(states)
+            return StepOutput(logits, states if hidden else None)
+        if last_only:
+            inputs["logits_to_keep"] = 1
+        out = self.model(**inputs, output_hidden_states=hidden)
+        states = out.hidden_states[-1][0] if hidden else None
+        return StepOutput(out.logits[0].to(self.output_device), states)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.to(self.output_device)
+
+    def _tree_mask(self, tree: TokenTree, past: int, positions: torch.Tensor):
+        """Additive mask ``[1, 1, n, past + n]`` (one per layer kind when they differ in window)."""
+        n = len(tree)
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.input_device)
+        allowed[:, past:] = tree.ancestor_mask.to(self.input_device)
+        masks = {}
+        for kind, window in self.windows.items():
+            if window is None or past + n <= window:
+                masks[kind] = allowed
+            else:
+                key_positions = torch.cat([torch.arange(past, device=self.input_device), positions])
+                masks[kind] = allowed & (positions[:, None] - key_positions[None, :] < window)
+        additive = {kind: self._additive(mask) for kind, mask in masks.items()}
+        return next(iter(additive.values())) if len(additive) == 1 else additive
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+
+class LazyLogits:
+    """Logits of a tree whose LM-head rows are computed on first use (the verifier reads only the
+    nodes on the path it walks). Indexing by a node returns that node's logits ``[vocab]``."""
+
+    def __init__(self, hidden: torch.Tensor, head):
+        self.hidden = hidden
+        self.head = head
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @torch.inference_mode()
+    def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self.rows:
+            self.rows[node] = self.head(self.hidden[node : node + 1])[0]
+        return self.rows[node]
+
+    @torch.inference_mode()
+    def materialize(self) -> torch.Tensor:
+        """Every row ``[n, vocab]``, the missing ones computed in one batch."""
+        missing = [i for i in range(len(self)) if i not in self.rows]
+        if missing:
+            for i, row in zip(missing, self.head(self.hidden[missing]), strict=True):
+                self.rows[i] = row
+        return torch.stack([self.rows[i] for i in range(len(self))])
