@@ -9,7 +9,7 @@ from speculum import accel
 pytestmark = pytest.mark.real_model
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
 ]
 METHODS = [

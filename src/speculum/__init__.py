@@ -1,7 +1,6 @@
 """speculum: lossless speculative decoding for Hugging Face causal language models."""
 
 from speculum.api import GenerationResult, GenerationStream, Speculum, StreamChunk, load
-from speculum.stats import Stats
 from speculum.errors import (
     IncompatibleDraftError,
     InvalidInputError,
@@ -12,6 +11,7 @@ from speculum.errors import (
 )
 from speculum.methods import METHODS, SpeculativeConfig
 from speculum.sampling import SamplingParams
+from speculum.stats import Stats
 
 __version__ = "0.1.0"
 

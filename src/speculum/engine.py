@@ -63,9 +63,7 @@ def _steps(
     hidden = drafter.wants_hidden_states
     cache = runner.new_cache()
     prefill_hidden = runner.prefill(cache, tokens[:-1], hidden=hidden)
-    ctx = DraftContext(
-        tokens, len(tokens), sampling, generator, 0, eos_token_ids, runner.output_device, prefill_hidden
-    )
+    ctx = DraftContext(tokens, len(tokens), sampling, generator, 0, eos_token_ids, runner.output_device, prefill_hidden)
     t = time.perf_counter()
     stats.time_prefill = t - start
     drafter.start(ctx)
