@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from speculum import poolfile
 from speculum.drafters import ngram_table as nt
 from speculum.drafters.ngram_table import NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
@@ -256,9 +257,9 @@ def test_failed_save_leaves_old_file_and_no_temp_files(tmp_path, monkeypatch, ta
         raise OSError("disk on fire") if target != "dumps" else RuntimeError("boom")
 
     if target == "dumps":
-        monkeypatch.setattr(nt.json, "dumps", boom)
+        monkeypatch.setattr(poolfile.json, "dumps", boom)
     else:
-        monkeypatch.setattr(nt.os, target, boom)
+        monkeypatch.setattr(poolfile.os, target, boom)
     with pytest.raises(PoolFileError if target != "dumps" else RuntimeError):
         make_table(2).save(path, model_key="k")
     monkeypatch.undo()

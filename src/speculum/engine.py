@@ -102,7 +102,7 @@ def _steps(
                     verdict.next_token,
                     len(tree) - 1,
                     draft,
-                    TargetOutputs(tree, out.logits, sampling, path_hidden),
+                    TargetOutputs(tree, out.logits, sampling, path_hidden, verdict.argmax),
                 )
                 drafter.observe(ctx, outcome)
             t4 = time.perf_counter()

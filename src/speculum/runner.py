@@ -232,10 +232,14 @@ class LazyLogits:
         return self.rows[node]
 
     @torch.inference_mode()
-    def materialize(self) -> torch.Tensor:
-        """Every row ``[n, vocab]``, the missing ones computed in one batch."""
-        missing = [i for i in range(len(self)) if i not in self.rows]
+    def take(self, nodes: list[int]) -> torch.Tensor:
+        """The rows of ``nodes`` ``[len(nodes), vocab]``, the missing ones computed in one batch."""
+        missing = sorted({i for i in nodes if i not in self.rows})
         if missing:
             for i, row in zip(missing, self.head(self.hidden[missing]), strict=True):
                 self.rows[i] = row
-        return torch.stack([self.rows[i] for i in range(len(self))])
+        return torch.stack([self.rows[i] for i in nodes])
+
+    def materialize(self) -> torch.Tensor:
+        """Every row ``[n, vocab]``."""
+        return self.take(list(range(len(self))))

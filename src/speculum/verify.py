@@ -30,6 +30,7 @@ from speculum.tree import TokenTree
 class Verdict:
     path: list[int]  # accepted node indices, starting with the root (0)
     next_token: int  # the target's token after the last accepted node
+    argmax: list[int] | None = None  # the target's argmax at every node, when the verifier computed it
 
     @property
     def num_accepted(self) -> int:
@@ -63,7 +64,7 @@ def _verify_greedy(tree: TokenTree, logits) -> Verdict:
     while True:
         child = _child_with_token(tree, path[-1], best[path[-1]])
         if child is None:
-            return Verdict(path, best[path[-1]])
+            return Verdict(path, best[path[-1]], best if isinstance(best, list) else None)
         path.append(child)
 
 

@@ -76,11 +76,20 @@ class TargetOutputs:
     target's output *at* a node predicts the token *after* it.
     """
 
-    def __init__(self, tree: TokenTree, logits, sampling: SamplingParams, hidden: torch.Tensor | None):
+    def __init__(
+        self,
+        tree: TokenTree,
+        logits,
+        sampling: SamplingParams,
+        hidden: torch.Tensor | None,
+        argmax: list[int] | None = None,
+    ):
         self.tree = tree
         self._logits = logits
         self._sampling = sampling
         self.hidden_states = hidden  # [1 + accepted, hidden]: root first, then the accepted nodes
+        if argmax is not None:  # the greedy verifier's, already computed for every tree node
+            self._tree_argmax = argmax
 
     def _tree_node(self, node: int) -> int:
         tree_node = 0 if node == -1 else self.tree.node_of[node]
@@ -96,6 +105,18 @@ class TargetOutputs:
     def argmax(self, node: int = -1) -> int:
         """The target's most likely token after ``node``."""
         return self._tree_argmax[self._tree_node(node)]
+
+    def argmax_of(self, nodes: list[int]) -> list[int | None]:
+        """The target's most likely token after each of ``nodes`` (None for a node not verified).
+
+        Computes LM-head rows for these nodes only where the head is lazy."""
+        tree_nodes = [0 if n == -1 else self.tree.node_of[n] for n in nodes]
+        present = [n for n in tree_nodes if n >= 0]
+        if "_tree_argmax" in self.__dict__ or not isinstance(self._logits, LazyLogits):
+            best = self._tree_argmax
+            return [best[n] if n >= 0 else None for n in tree_nodes]
+        found = dict(zip(present, self._logits.take(present).argmax(dim=-1).tolist(), strict=True)) if present else {}
+        return [found.get(n) for n in tree_nodes]
 
     def argmaxes(self) -> list[int]:
         """The target's most likely token after each draft node (-1 for nodes not verified)."""

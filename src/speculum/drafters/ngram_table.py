@@ -29,29 +29,25 @@ few repeats, one continuation per context), so the default cap of 500,000 contex
 table to roughly 250 MB; a per-request table holds at most ``(max_n - min_n + 1) * len(sequence)``
 contexts (about 8,000 for a 2,000-token request with N = 5), far below it.
 
-Files (``save``/``load``): one JSON header line (format name, format version, ``model_key`` =
-the tokenizer/vocabulary identity the caller passes, levels, body length and SHA-256), then a
-JSON body. Written atomically (temp file in the same directory, fsync, ``os.replace``). A file
-that is corrupt, truncated, of another format or version, or built for another ``model_key``
-is refused with :class:`~speculum.errors.PoolFileError`. No pickle.
+Files (``save``/``load``): the format shared by every saved pool (:mod:`speculum.poolfile`:
+a JSON header with ``model_key`` = the tokenizer/vocabulary identity the caller passes and the
+levels, then a JSON body; written atomically). A file that is corrupt, truncated, of another
+format or version, or built for another ``model_key`` is refused with
+:class:`~speculum.errors.PoolFileError`. No pickle.
 
 Micro-benchmark: ``python -m speculum.drafters.ngram_table`` prints µs per propose + update.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import heapq
-import json
 import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from operator import itemgetter
-from pathlib import Path
 
 from speculum.errors import InvalidInputError, PoolFileError
+from speculum.poolfile import read_pool_file, write_pool_file
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "FORMAT_NAME", "FORMAT_VERSION", "NgramTable"]
 
@@ -286,44 +282,23 @@ class NgramTable:
     # ------------------------------------------------------------------ files
 
     def save(self, path: str | os.PathLike[str], *, model_key: str = "") -> None:
-        """Write the table to ``path`` atomically (see the module docstring for the format).
+        """Write the table to ``path`` atomically (format: :mod:`speculum.poolfile`).
 
-        On any failure the temp file is removed and an existing file at ``path`` is untouched.
+        On any failure an existing file at ``path`` is untouched.
         """
         entries = [
             [list(ctx), [[tok, v >> _SHIFT, v & _STAMP_MASK] for tok, v in e[2].items()]]
             for ctx, e in self._data.items()
         ]
-        body = json.dumps({"clock": self.clock, "entries": entries}, separators=(",", ":"))
-        body_bytes = body.encode("utf-8")
-        header = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "model_key": model_key,
-            "min_n": self.min_n,
-            "max_n": self.max_n,
-            "contexts": len(entries),
-            "body_bytes": len(body_bytes),
-            "body_sha256": hashlib.sha256(body_bytes).hexdigest(),
-        }
-        blob = json.dumps(header, sort_keys=True).encode("utf-8") + b"\n" + body_bytes
-        path = Path(path)
-        directory = path.parent
-        tmp_name = None
-        try:
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-            tmp_name = None
-        except OSError as exc:
-            raise PoolFileError(f"cannot write n-gram pool file {str(path)!r}: {exc}") from exc
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
+        write_pool_file(
+            path,
+            kind=FORMAT_NAME,
+            version=FORMAT_VERSION,
+            model_key=model_key,
+            settings={"min_n": self.min_n, "max_n": self.max_n, "contexts": len(entries)},
+            body={"clock": self.clock, "entries": entries},
+            what="n-gram pool",
+        )
 
     @classmethod
     def load(
@@ -338,45 +313,14 @@ class NgramTable:
         ``model_key`` must equal the one the file was saved with. If the file holds more than
         ``max_entries`` contexts, the least-recently-updated ones are dropped.
         """
-        where = str(path)
+        header, payload = read_pool_file(
+            path, kind=FORMAT_NAME, version=FORMAT_VERSION, model_key=model_key, what="n-gram pool"
+        )
         try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            raise PoolFileError(f"cannot read n-gram pool file {where!r}: {exc}") from exc
-        newline = raw.find(b"\n")
-        header = None
-        if newline > 0:
-            try:
-                header = json.loads(raw[:newline].decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
-                header = None
-        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
-            raise PoolFileError(f"{where!r} is not a speculum n-gram pool file")
-        if header.get("version") != FORMAT_VERSION:
-            raise PoolFileError(
-                f"{where!r} has n-gram pool format version {header.get('version')!r}; "
-                f"this speculum reads version {FORMAT_VERSION}"
-            )
-        if header.get("model_key") != model_key:
-            raise PoolFileError(
-                f"{where!r} was built for model_key {header.get('model_key')!r}, "
-                f"not {model_key!r} (another tokenizer/vocabulary): refusing to use it"
-            )
-        body = raw[newline + 1 :]
-        if len(body) != header.get("body_bytes"):
-            raise PoolFileError(
-                f"{where!r} is truncated or padded: body has {len(body)} bytes, "
-                f"header says {header.get('body_bytes')!r}"
-            )
-        if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
-            raise PoolFileError(f"{where!r} is corrupt: checksum mismatch")
-        min_n, max_n = header.get("min_n"), header.get("max_n")
-        try:
-            table = cls(max_n=max_n, min_n=min_n, max_entries=max_entries)
-            payload = json.loads(body.decode("utf-8"))
+            table = cls(max_n=header.get("max_n"), min_n=header.get("min_n"), max_entries=max_entries)
             table._fill(payload)
         except (InvalidInputError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise PoolFileError(f"{where!r} is corrupt: {exc}") from exc
+            raise PoolFileError(f"{str(path)!r} is corrupt: {exc}") from exc
         return table
 
     def _fill(self, payload: dict) -> None:
