@@ -104,6 +104,20 @@ def test_anpd(arch_setup, tree, adaptive):
     assert stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},  # LADE's defaults: N=5, W=7, G=7 (56-node trees)
+        {"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "pool_from_prompt": True},
+        {"window_size": 2, "ngram_size": 2, "guess_set_size": 0},  # the Jacobi window alone (no guesses)
+    ],
+)
+def test_lookahead(arch_setup, params):
+    _, model, refs = arch_setup
+    stats = _check(model, refs, lambda ref: build_drafter("lookahead", **params))
+    assert stats.drafted_tokens > 0
+
+
 def test_lazy_head_lossless(arch_setup):
     arch, model, refs = arch_setup
     if arch == "gpt2":
@@ -114,4 +128,6 @@ def test_lazy_head_lossless(arch_setup):
         out, _ = gen(model, prompt, RandomTreeDrafter(ref, VOCAB, seed=1), NEW, lazy_head=True)
         assert out == ref
         out, _ = gen(model, prompt, build_drafter("anpd"), NEW, lazy_head=True)
+        assert out == ref
+        out, _ = gen(model, prompt, build_drafter("lookahead", window_size=3, ngram_size=3), NEW, lazy_head=True)
         assert out == ref

@@ -14,6 +14,7 @@ METHODS: dict[str, str] = {
     "draft_model": "speculum.drafters.draft_model:DraftModelDrafter",
     "prompt_lookup": "speculum.drafters.prompt_lookup:PromptLookupDrafter",
     "anpd": "speculum.drafters.anpd:AnpdDrafter",
+    "lookahead": "speculum.drafters.lookahead:LookaheadDrafter",
 }
 
 
