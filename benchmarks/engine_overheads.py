@@ -209,22 +209,25 @@ def mask_rows() -> list[tuple[str, float, float]]:
 
 @torch.inference_mode()
 def sliding_history_rows(model, model_name: str) -> list[tuple[str, float, float]]:
+    """Median decode step with each cache, the two alternating step by step (this machine's speed
+    drifts by tens of percent between runs: measured one after the other, they are not comparable)."""
     from transformers import DynamicCache
 
     rows = []
+    step = torch.tensor([[42]])
     for context in (512, 1024, 2048, 4096):
         ids = torch.randint(10, 20000, (1, context), generator=torch.Generator().manual_seed(0))
-        timings = []
-        for cache in (DynamicCache(), DynamicCache(config=model.config)):  # speculum's, transformers' own
+        caches = [DynamicCache(), DynamicCache(config=model.config)]  # speculum's, transformers' own
+        for cache in caches:
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            step = torch.tensor([[42]])
-
-            def one(c=cache, s=step):  # (each call adds one position: 6 calls barely move the context)
-                model(input_ids=s, past_key_values=c, use_cache=True)
-
-            one()
-            timings.append(best_of(one, 5))
-        rows.append((f"{model_name} decode step at {context} positions", timings[0], timings[1]))
+        times: list[list[float]] = [[], []]
+        for _ in range(15):  # each call adds one position: 15 barely move the context
+            for cache, record in zip(caches, times, strict=True):
+                t0 = time.perf_counter()
+                model(input_ids=step, past_key_values=cache, use_cache=True)
+                record.append(time.perf_counter() - t0)
+        ours, theirs = (sorted(t)[len(t) // 2] for t in times)
+        rows.append((f"{model_name} decode step at {context} positions", ours, theirs))
     return rows
 
 
@@ -247,7 +250,7 @@ def main() -> None:
         print(f"| {name} | {before * 1e3:.2f} ms | {after * 1e3:.2f} ms | {after / before:.2f} |")
     if spec is not None:
         print()
-        print("| decode step | speculum's cache (full history) | transformers' cache (window) | ratio |")
+        print("| decode step (median, alternating) | speculum's cache (full) | transformers' cache (window) | ratio |")
         print("|---|---:|---:|---:|")
         for name, ours, theirs in sliding_history_rows(spec.model, args.model):
             print(f"| {name} | {ours * 1e3:.1f} ms | {theirs * 1e3:.1f} ms | {ours / theirs:.2f} |")

@@ -118,6 +118,35 @@ def test_lookahead(arch_setup, params):
     assert stats.drafted_tokens > 0
 
 
+OUROBOROS_SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 3, "guess_set_size": 3}
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {},
+        {"phrase_drafting": False},
+        {"lengthen": False},
+        {"verification_phrases": False},
+        {"reuse_history": False},
+        {"phrase_drafting": False, "lengthen": False, "verification_phrases": False, "reuse_history": False},
+    ],
+    ids=["all", "no-phrase-drafting", "no-lengthen", "no-verification-phrases", "no-history", "none"],
+)
+def test_ouroboros(arch_setup, switches):
+    _, model, refs = arch_setup
+    draft = perturbed_copy(model, scale=0.4)
+    drafter = build_drafter("ouroboros", draft, VOCAB, **OUROBOROS_SMALL, **switches)
+    stats = _check(model, refs, lambda ref: drafter)  # one drafter for all prompts: the pool carries over
+    assert stats.draft_forwards > 0
+
+
+def test_ouroboros_paper_defaults(arch_setup):
+    _, model, refs = arch_setup
+    draft = perturbed_copy(model, scale=0.4)
+    _check(model, refs, lambda ref: build_drafter("ouroboros", draft, VOCAB))
+
+
 def test_lazy_head_lossless(arch_setup):
     arch, model, refs = arch_setup
     if arch == "gpt2":

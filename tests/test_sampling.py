@@ -174,6 +174,7 @@ def _first_two_exact(model, prompt, sampling):
         ("draft_model", 16, 16),
         ("prompt_lookup", 16, 16),
         ("lookahead", 16, 16),
+        ("ouroboros", 16, 16),
         ("draft_model", 20, 16),  # the target's head is wider (a padded head, as Qwen2.5-7B's vs the 0.5B)
         ("draft_model", 16, 20),  # the draft's is wider
     ],
@@ -188,8 +189,10 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab):
     trials = 1500
     counts = dict.fromkeys(exact, 0)
     gen = torch.Generator().manual_seed(11)
-    lookahead = {"window_size": 3, "ngram_size": 3, "pool_from_prompt": True}
-    params = lookahead if method == "lookahead" else {"num_speculative_tokens": 3}
+    params = {
+        "lookahead": {"window_size": 3, "ngram_size": 3, "pool_from_prompt": True},
+        "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},
+    }.get(method, {"num_speculative_tokens": 3})
     drafter = build_drafter(method, draft, target_vocab, **params)
     for _ in range(trials):
         # the draft-model run also goes through the lazy LM head (rows computed along the walk)

@@ -59,6 +59,7 @@ class Speculum:
         self.draft_name = draft_name
         self.runner = ModelRunner(model)
         self._drafters: dict[tuple, Any] = {}
+        self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         self._vocab_key: str | None = None
         self.eos_token_ids = eos_token_ids(model, tokenizer)
 
@@ -109,6 +110,7 @@ class Speculum:
             vocab_size=self.vocab_size,
             model_key=self.vocab_key,
             device=self.runner.output_device,
+            shared=self._shared,
         )
 
     def generate(

@@ -15,6 +15,7 @@ METHODS: dict[str, str] = {
     "prompt_lookup": "speculum.drafters.prompt_lookup:PromptLookupDrafter",
     "anpd": "speculum.drafters.anpd:AnpdDrafter",
     "lookahead": "speculum.drafters.lookahead:LookaheadDrafter",
+    "ouroboros": "speculum.drafters.ouroboros:OuroborosDrafter",
 }
 
 

@@ -69,6 +69,13 @@ def execution_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def has_plain_head(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logits are its LM head applied to ``model.model``'s output (so the head
+    can run separately, on chosen rows)."""
+    plain = model.config.model_type in PLAIN_HEAD and hasattr(model, "model")
+    return plain and model.get_output_embeddings() is not None
+
+
 def attention_windows(config) -> dict[str, int | None]:
     """Each kind of attention layer the model has -> its sliding window (None: full attention)."""
     window = getattr(config, "sliding_window", None)
@@ -116,7 +123,7 @@ class ModelRunner:
         self.output_device = execution_device(head) if head is not None else self.input_device
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.split_head = model.config.model_type in PLAIN_HEAD and hasattr(model, "model") and head is not None
+        self.split_head = has_plain_head(model)
         self.lazy_head = lazy_head if lazy_head is not None else self._lazy_head_pays()
         if self.lazy_head and not self.split_head:
             raise InvalidInputError(f"lazy_head needs a plain LM head; {model.config.model_type} has another")

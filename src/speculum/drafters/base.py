@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from speculum.runner import LazyLogits, ModelRunner
+from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import SamplingParams, warp
 from speculum.tree import Draft, TokenTree
 
@@ -39,6 +39,9 @@ class Resources:
     vocab_size: int | None = None  # width of the target's logits: draft distributions must match it
     model_key: str = ""  # identity of the tokenizer's vocabulary: saved pools are refused under another
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where sampling happens
+    # Objects shared by every drafter of one Speculum (and so every request it serves), e.g. a phrase
+    # pool that Ouroboros and lookahead keep across requests: ``shared.setdefault(key, factory())``.
+    shared: dict = field(default_factory=dict)
 
     @property
     def lm_head(self) -> torch.nn.Module | None:
@@ -48,9 +51,12 @@ class Resources:
     def embeddings(self) -> torch.nn.Module | None:
         return self.target.get_input_embeddings() if self.target is not None else None
 
-    def runner(self, model: torch.nn.Module) -> ModelRunner:
-        """A runner of the drafter's own for ``model`` (its own cache, chains and trees)."""
-        return ModelRunner(model, lazy_head=False)
+    def runner(self, model: torch.nn.Module, lazy_head: bool = False) -> ModelRunner:
+        """A runner of the drafter's own for ``model`` (its own cache, chains and trees).
+
+        ``lazy_head``: compute LM-head rows only for the nodes read (a drafter that runs trees but
+        reads few of their outputs), where the architecture allows it."""
+        return ModelRunner(model, lazy_head=lazy_head and has_plain_head(model))
 
 
 @dataclass

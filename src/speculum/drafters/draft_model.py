@@ -9,8 +9,8 @@ which sees each drafted token with the draft's logits (and hidden state, if it a
 The draft's logits are fitted to the target's width before anything else: cut when the draft's
 head is wider, padded with -inf (no probability mass) when the target's is (Qwen2.5-7B's padded
 152,064-row head against the 0.5B's 151,936). A token the target emits that the draft cannot
-embed (one of those padding ids) reaches the draft as its pad token instead: its guesses get
-worse for a moment, the output does not change.
+embed (one of those padding ids) reaches the draft as its pad token instead
+(:class:`DraftModelState`, shared with Ouroboros).
 """
 
 from __future__ import annotations
@@ -35,6 +35,43 @@ class Options:
         make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
 
 
+class DraftModelState:
+    """A draft model's KV cache across the rounds of one request, kept in step with the committed text.
+
+    ``seen`` lists the tokens whose keys/values are in the cache; ``catch_up`` crops it to the
+    longest prefix shared with the committed tokens. Ids the draft cannot embed (a target head
+    padded wider than the draft's embeddings) are fed as ``stand_in``: the draft's guesses get
+    worse for a moment, the output does not change.
+    """
+
+    def __init__(self, runner, draft_model: torch.nn.Module):
+        self.runner = runner
+        self.embeddable = draft_model.get_input_embeddings().num_embeddings
+        self.stand_in = getattr(draft_model.config, "pad_token_id", None) or 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.runner.new_cache()
+        self.seen: list[int] = []
+        self.committed = 0  # leading entries of seen known to be committed tokens
+
+    def feed(self, token_ids: list[int]) -> list[int]:
+        return [t if t < self.embeddable else self.stand_in for t in token_ids]
+
+    def catch_up(self, tokens: list[int]) -> int:
+        """Crop the cache to the longest prefix it shares with the committed ``tokens`` (always
+        leaving the last one to feed); returns its length. Only positions after the tokens already
+        committed at the last round can differ, so only those are compared."""
+        keep = self.committed
+        limit = min(len(self.seen), len(tokens) - 1)
+        while keep < limit and self.seen[keep] == tokens[keep]:
+            keep += 1
+        self.runner.crop(self.cache, keep)
+        del self.seen[keep:]
+        self.committed = len(tokens)
+        return keep
+
+
 class DraftModelDrafter(Drafter):
     name = "draft_model"
     needs_draft_model = True
@@ -45,9 +82,8 @@ class DraftModelDrafter(Drafter):
             raise InvalidInputError("method 'draft_model' needs a draft model: load(..., draft=...)")
         self.options = options
         self.runner = resources.runner(resources.draft_model)
+        self.state = DraftModelState(self.runner, resources.draft_model)
         self.vocab_size = resources.vocab_size  # the target's: draft distributions are fitted to it
-        self.embeddable = resources.draft_model.get_input_embeddings().num_embeddings
-        self.stand_in = getattr(resources.draft_model.config, "pad_token_id", None) or 0
         self.policy = make_policy(options.length_policy, options.num_speculative_tokens, options.confidence_threshold)
         self._forwards = 0
 
@@ -56,19 +92,17 @@ class DraftModelDrafter(Drafter):
         return self._forwards
 
     def start(self, ctx: DraftContext) -> None:
-        self.cache = self.runner.new_cache()
-        self.seen: list[int] = []  # the tokens whose keys/values are in self.cache
-        self.committed = 0  # leading entries of self.seen known to be committed tokens
+        self.state.reset()
         self.policy.reset()
         self._forwards = 0
 
     def _forward(self, token_ids: list[int], ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``token_ids``; the draft's logits after the last one (on the sampling device, at the
         target's width) and, if the policy reads it, its hidden state there."""
-        feed = [t if t < self.embeddable else self.stand_in for t in token_ids]
-        out = self.runner.forward(self.cache, feed, last_only=True, hidden=self.policy.needs_hidden)
+        state = self.state
+        out = self.runner.forward(state.cache, state.feed(token_ids), last_only=True, hidden=self.policy.needs_hidden)
         self._forwards += 1
-        self.seen.extend(token_ids)
+        state.seen.extend(token_ids)
         logits = self._fit(out.logits[-1].to(ctx.device))
         return logits, out.hidden[-1] if out.hidden is not None else None
 
@@ -80,25 +114,12 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
         return torch.cat([logits, pad])
 
-    def _catch_up(self, tokens: list[int]) -> int:
-        """Crop the draft cache to the longest prefix it shares with the committed tokens (always
-        leaving the last one to feed); returns its length. Only positions after the tokens that were
-        already committed at the last round can differ, so only those are compared."""
-        keep = self.committed
-        limit = min(len(self.seen), len(tokens) - 1)
-        while keep < limit and self.seen[keep] == tokens[keep]:
-            keep += 1
-        self.runner.crop(self.cache, keep)
-        del self.seen[keep:]
-        return keep
-
     def propose(self, ctx: DraftContext) -> Draft | None:
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
-        keep = self._catch_up(ctx.tokens)
+        keep = self.state.catch_up(ctx.tokens)
         logits, hidden = self._forward(ctx.tokens[keep:], ctx)
-        self.committed = len(ctx.tokens)
 
         tokens: list[int] = []
         probs: list[torch.Tensor] = []

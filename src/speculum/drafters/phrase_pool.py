@@ -70,6 +70,19 @@ class PhrasePool:
         if len(phrases) > self.capacity:
             del phrases[0]
 
+    def replace(self, key: int, old: Sequence[int], new: Sequence[int]) -> None:
+        """Put ``new`` where ``old`` was under ``key`` (Ouroboros: a tried phrase replaced by the
+        target's corrected version); ``new`` is simply added when ``old`` is gone."""
+        phrases = self._data.get(key)
+        old, new = tuple(old), tuple(int(t) for t in new)
+        if phrases and old in phrases and new not in phrases and new:
+            phrases[phrases.index(old)] = new
+            self._data.move_to_end(key)
+        else:
+            if phrases and old in phrases:
+                phrases.remove(old)
+            self.add(key, new)
+
     def add_all(self, items: Iterable[tuple[int, Sequence[int]]]) -> None:
         for key, phrase in items:
             self.add(key, phrase)

@@ -1,0 +1,279 @@
+"""Ouroboros (Zhao et al., EMNLP 2024): a draft model sped up by phrases, drafts lengthened by phrases.
+
+Four components, each can be switched off for the paper's ablation:
+
+1. ``phrase_drafting`` — the draft model runs lookahead decoding (a Jacobi window and pool guesses
+   in each of its forwards, :class:`~speculum.drafters.lookahead.JacobiWindow`), so γ draft tokens
+   cost fewer draft forwards. The window carries over between rounds; the draft's own
+   verification is greedy over its own logits.
+2. ``lengthen`` — K (``num_phrase_candidates``) pool phrases that start with the last draft token
+   hang below it as extra branches of the token tree, verified with the draft in ONE target
+   forward. When the draft is fully accepted the verifier continues into them, and, unlike the
+   reference code, the target's bonus token after a fully matched phrase is kept.
+3. ``verification_phrases`` — phrases from verification (paper Section 3.3 / Figure 4): after a
+   rejection, the target's own predictions along the rest of the draft, wherever they stay
+   consistent with it, go into the pool under the draft token they follow; a tried phrase is
+   replaced by the target's corrected version of it.
+4. ``reuse_history`` — one pool serves every request of a ``Speculum`` (shared through
+   ``Resources.shared``, so also across configurations with the same phrase length and capacity);
+   ``pool_path`` loads it at start and saves it (atomically) after every request, so a warm start
+   survives restarts. Off: each request starts with an empty pool.
+
+The pool is LADE's/Ouroboros' (:class:`~speculum.drafters.phrase_pool.PhrasePool`): per key token
+at most G phrases of N - 1 tokens, least recently used dropped. The Jacobi window's column n-grams
+feed it too (the reference's lookahead trajectories).
+
+Lossless for greedy decoding and sampling: the draft is greedy (deterministic), so every branch
+is verified by the sample-and-match rule (exactly one-hot rejection sampling), as the authors
+advise for temperature > 0 (their code is greedy only).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
+from speculum.drafters.draft_model import DraftModelState
+from speculum.drafters.lookahead import JacobiWindow
+from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
+from speculum.errors import InvalidInputError, PoolFileError
+from speculum.runner import LazyLogits
+from speculum.tree import TokenTree
+
+__all__ = ["Options", "OuroborosDrafter"]
+
+
+@dataclass
+class Options:
+    """Parameters of the ``ouroboros`` method; defaults are the authors' Spec-Bench settings."""
+
+    num_speculative_tokens: int = 6  # γ: draft tokens per round (before lengthening)
+    window_size: int = 15  # W: the draft's Jacobi window
+    ngram_size: int = 5  # N: phrases are N - 1 tokens after their key token
+    num_phrase_candidates: int = 3  # K: phrases lengthening each draft
+    guess_set_size: int = 15  # G: phrases kept per key (all of them are the draft's own guesses)
+    phrase_drafting: bool = True  # component 1
+    lengthen: bool = True  # component 2
+    verification_phrases: bool = True  # component 3
+    reuse_history: bool = True  # component 4
+    pool_path: str | None = None  # loaded when present, saved after each request (needs reuse_history)
+    max_pool_keys: int = DEFAULT_MAX_KEYS
+
+    def __post_init__(self) -> None:
+        least = {
+            "num_speculative_tokens": 1,
+            "window_size": 1,
+            "ngram_size": 2,
+            "num_phrase_candidates": 0,
+            "guess_set_size": 1,
+            "max_pool_keys": 1,
+        }
+        for name, low in least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidInputError(f"ouroboros: {name} must be an integer >= {low}, got {value!r}")
+        for name in ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"ouroboros: {name} must be true or false")
+        if self.pool_path is not None:
+            if not isinstance(self.pool_path, (str, os.PathLike)):
+                raise InvalidInputError(f"ouroboros: pool_path must be a path, got {self.pool_path!r}")
+            if not self.reuse_history:
+                raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
+
+    @property
+    def phrase_length(self) -> int:
+        return self.ngram_size - 1
+
+
+class OuroborosDrafter(Drafter):
+    """Ouroboros over a draft model or ``self:N`` (see the module docstring)."""
+
+    name: ClassVar[str] = "ouroboros"
+    Options: ClassVar[type] = Options
+    needs_draft_model = True
+
+    def __init__(self, options: Options | None = None, resources: Resources | None = None):
+        self.options = options = Options() if options is None else options
+        resources = resources or Resources()
+        if resources.draft_model is None:
+            raise InvalidInputError("method 'ouroboros' needs a draft model: load(..., draft=...) or draft='self:N'")
+        # Tree forwards over the draft read few rows (the walked path, the window's top level):
+        # its LM head runs on those rows only.
+        self.runner = resources.runner(resources.draft_model, lazy_head=True)
+        self.state = DraftModelState(self.runner, resources.draft_model)
+        self.vocab_size = resources.vocab_size
+        self.model_key = resources.model_key
+        self.window = JacobiWindow(options.window_size, options.phrase_length)
+        self._shared = resources.shared
+        self.pool = self._pool()
+        self._forwards = 0
+        self._chain: list[int] = []
+        self._phrases: list[tuple[tuple[int, ...], list[int]]] = []
+
+    def _pool(self) -> PhrasePool:
+        o = self.options
+        if not o.reuse_history:
+            return PhrasePool(o.guess_set_size, o.max_pool_keys)
+        key = ("phrase_pool", o.phrase_length, o.guess_set_size, str(o.pool_path))
+        if key not in self._shared:
+            if o.pool_path is not None and os.path.exists(o.pool_path):
+                pool = PhrasePool.load(
+                    o.pool_path, model_key=self.model_key, capacity=o.guess_set_size, max_keys=o.max_pool_keys
+                )
+            else:
+                pool = PhrasePool(o.guess_set_size, o.max_pool_keys)
+            self._shared[key] = pool
+        return self._shared[key]
+
+    @property
+    def forwards(self) -> int:
+        return self._forwards
+
+    # ------------------------------------------------------------------ protocol
+
+    def start(self, ctx: DraftContext) -> None:
+        self.state.reset()
+        self.window.reset(ctx.tokens)
+        if not self.options.reuse_history:
+            self.pool = self._pool()
+        self._forwards = 0
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        o = self.options
+        budget = min(o.num_speculative_tokens, ctx.max_depth)
+        if budget < 1:
+            return None
+        self._chain, self._phrases = [], []
+        keep = self.state.catch_up(ctx.tokens)
+        forced = ctx.tokens[keep:]  # not in the draft's cache yet; the last one is where drafting starts
+        chain: list[int] = []
+        while len(chain) < budget:
+            produced = self._draft_step(forced)
+            stop = False
+            for token in produced:
+                if self.vocab_size is not None and token >= self.vocab_size:
+                    stop = True  # a draft-only id the target cannot verify
+                    break
+                chain.append(token)
+                if token in ctx.eos_token_ids or len(chain) >= budget:
+                    stop = True
+                    break
+            if stop:
+                break
+            forced = [chain[-1]]
+        if not chain:
+            return None
+        return self._lengthened(chain, ctx)
+
+    def _draft_step(self, forced: list[int]) -> list[int]:
+        """One draft forward: ``forced`` (tokens not yet in the draft's cache) as a chain, with the
+        Jacobi window and pool guesses below its last token; the draft's own greedy verification.
+        Returns the tokens it produced (its accepted guesses, then its own next token)."""
+        state = self.state
+        tokens: list[int] = list(forced[1:])
+        parents: list[int] = list(range(-1, len(tokens) - 1))
+        anchor = len(tokens) - 1  # draft index of the last forced token (-1: the root)
+        if self.options.phrase_drafting:
+            self.window.add_to(tokens, parents, root=anchor)
+            for phrase in self.pool.get(forced[-1], self.options.guess_set_size):
+                parent = anchor
+                for token in phrase:
+                    parents.append(parent)
+                    parent = len(tokens)
+                    tokens.append(token)
+        tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents))
+        past = len(state.seen)
+        out = self.runner.forward(state.cache, tree)
+        self._forwards += 1
+        node = 0 if anchor < 0 else tree.node_of[anchor]
+        path = tree.path_to(node)
+        while True:
+            best = self._argmax(out.logits, [path[-1]])[0]
+            child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == best), None)
+            if child is None:
+                break
+            path.append(child)
+        produced = [tree.tokens[n] for n in path[len(forced) :]] + [best]
+        self.runner.commit(state.cache, past, path)
+        state.seen.extend(forced + produced[:-1])
+        if self.options.phrase_drafting:
+            top = [tree.node_of[j] for j in self.window.top_nodes]
+            self.pool.add_all(self.window.step(self._argmax(out.logits, top)))
+        return produced
+
+    def _argmax(self, logits, nodes: list[int]) -> list[int]:
+        """The draft's greedy token after each of ``nodes``, over the target's vocabulary."""
+        rows = logits.take(nodes) if isinstance(logits, LazyLogits) else logits[nodes]
+        if self.vocab_size is not None:
+            rows = rows[:, : self.vocab_size]
+        return rows.argmax(dim=-1).tolist()
+
+    def _lengthened(self, chain: list[int], ctx: DraftContext) -> Draft:
+        """The draft chain with up to K pool phrases below its last token (component 2)."""
+        self._chain = chain
+        self._phrases = []
+        tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+        room = ctx.max_depth - len(chain)
+        if self.options.lengthen and room > 0 and chain[-1] not in ctx.eos_token_ids:
+            for phrase in self.pool.get(chain[-1], self.options.num_phrase_candidates):
+                ids: list[int] = []
+                parent = len(chain) - 1
+                for token in phrase[:room]:
+                    if self.vocab_size is not None and token >= self.vocab_size:
+                        break
+                    parents.append(parent)
+                    parent = len(tokens)
+                    ids.append(parent)
+                    tokens.append(token)
+                if ids:
+                    self._phrases.append((phrase, ids))
+        return Draft(tokens, parents)
+
+    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        if not self.options.verification_phrases or outcome.target is None or not self._chain:
+            return
+        chain, length = self._chain, self.options.phrase_length
+        after = outcome.target.argmax_of(list(range(len(chain))))  # the target's token after each draft token
+        rejected_at = len(outcome.accepted)
+        if rejected_at < len(chain):
+            # Matched sub-segments of the rejected tail: from each draft token on, the target's
+            # predictions for as long as the draft agrees with them (so each one's context is the
+            # one the phrase claims).
+            for i in range(rejected_at, len(chain)):
+                phrase = [after[i]]
+                for j in range(i + 1, len(chain)):
+                    if chain[j] != phrase[-1] or after[j] is None:
+                        break
+                    phrase.append(after[j])
+                if len(phrase) >= 2 and None not in phrase:
+                    self.pool.add(chain[i], phrase[:length])
+            return
+        # The draft was accepted whole, so the tried phrases were read in the right context:
+        # each is replaced by the target's own version of it.
+        key, first = chain[-1], after[-1]
+        if first is None:
+            return
+        for phrase, ids in self._phrases:
+            predicted = outcome.target.argmax_of(ids)
+            corrected = [first]
+            for token, nxt in zip(phrase, predicted, strict=False):
+                if token != corrected[-1] or nxt is None:
+                    break
+                corrected.append(nxt)
+            corrected = corrected[:length]
+            if tuple(corrected) != tuple(phrase):
+                self.pool.replace(key, phrase, corrected)
+
+    def finish(self, ctx: DraftContext) -> None:
+        if self.options.pool_path is not None:
+            self.save()
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Write the phrase pool (default: ``pool_path``) atomically."""
+        path = path if path is not None else self.options.pool_path
+        if path is None:
+            raise PoolFileError("ouroboros: no path given and no pool_path set")
+        self.pool.save(path, model_key=self.model_key)

@@ -1,0 +1,134 @@
+"""Ouroboros' parts: phrases from verification, lengthened drafts, the pool shared and saved across requests."""
+
+import pytest
+import torch
+
+import speculum
+from speculum.drafters.base import Outcome
+from speculum.drafters.phrase_pool import PhrasePool
+from speculum.errors import InvalidInputError
+from speculum.sampling import SamplingParams
+from speculum.tree import Draft
+
+from helpers import build_drafter, generate_ids
+from tiny_models import VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model, word_tokenizer
+
+SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 4, "guess_set_size": 3}
+
+
+class FakeTarget:
+    """What the target 'predicted' after each draft node."""
+
+    def __init__(self, after: dict[int, int]):
+        self.after = after
+
+    def argmax_of(self, nodes):
+        return [self.after.get(n) for n in nodes]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model = tiny_model("llama")
+    return model, perturbed_copy(model, scale=0.4)
+
+
+def test_rejected_tail_gives_the_target_consistent_segments(pair):
+    model, draft = pair
+    drafter = build_drafter("ouroboros", draft, VOCAB, **SMALL)
+    drafter._chain = [10, 11, 12, 13]
+    # the target rejects 11 (it says 20 after 10), then, reading the draft's context, predicts 13 after
+    # 12 (as the draft has) and 14 after 13: the segment 12 -> (13, 14) is consistent with the draft
+    target = FakeTarget({0: 20, 1: 5, 2: 13, 3: 14})
+    drafter.observe(None, Outcome([10], [0], 20, 4, Draft.chain(drafter._chain), target))
+    assert drafter.pool.get(12) == [(13, 14)]
+    assert drafter.pool.get(11) == [] and drafter.pool.get(13) == []  # one-token segments are not phrases
+
+
+def test_tried_phrases_are_replaced_by_the_target_version(pair):
+    model, draft = pair
+    drafter = build_drafter("ouroboros", draft, VOCAB, **SMALL)
+    drafter.pool.add(11, (5, 6, 7))
+    drafter.pool.add(11, (8, 1, 2))
+    drafter._chain = [10, 11]
+    drafter._phrases = [((5, 6, 7), [2, 3, 4]), ((8, 1, 2), [5, 6, 7])]
+    # after the whole draft the target says 5; along the first phrase 6, then 9 (not 7)
+    target = FakeTarget({0: 11, 1: 5, 2: 6, 3: 9, 4: 3, 5: 0, 6: 0, 7: 0})
+    drafter.observe(None, Outcome([10, 11, 5, 6], [0, 1, 2, 3], 9, 8, None, target))
+    assert (5, 6, 9) in drafter.pool.get(11) and (5, 6, 7) not in drafter.pool.get(11)
+    assert (5,) in drafter.pool.get(11)  # the second phrase: the target's own first token instead
+
+
+def test_lengthened_draft_hangs_phrases_below_the_last_token(pair):
+    model, draft = pair
+    drafter = build_drafter("ouroboros", draft, VOCAB, **SMALL, num_phrase_candidates=2)
+    for phrase in [(1, 2, 3), (4, 5, 6), (7, 8, 9)]:
+        drafter.pool.add(30, phrase)
+
+    class Ctx:
+        max_depth = 6
+        eos_token_ids = frozenset()
+
+    out = drafter._lengthened([20, 30], Ctx())
+    assert out.tokens == [20, 30, 7, 8, 9, 4, 5, 6]  # the K=2 newest phrases
+    assert out.parents == [-1, 0, 1, 2, 3, 1, 5, 6]
+    Ctx.max_depth = 3  # room for one more token only
+    assert drafter._lengthened([20, 30], Ctx()).tokens == [20, 30, 7, 4]
+
+
+def test_phrase_drafting_saves_draft_forwards():
+    """A perfect draft (the target itself) on text that repeats: its lookahead finds phrases, so it
+    needs fewer forwards per drafted token than drafting one token per forward."""
+    model = tiny_model("qwen2")
+    prompt = repetitive_prompt(30, 5, 2)
+    ref = reference_greedy(model, prompt, 60)
+    forwards = {}
+    for on in (True, False):
+        drafter = build_drafter("ouroboros", model, VOCAB, **SMALL, phrase_drafting=on, lengthen=False)
+        out, stats = generate_ids(model, prompt, drafter, 60)
+        assert out == ref
+        forwards[on] = stats.draft_forwards / stats.drafted_tokens
+    assert forwards[False] == 1.0
+    assert forwards[True] < 0.9
+
+
+def test_pool_is_shared_by_a_speculum_and_survives_restarts(tmp_path):
+    model_dir = tmp_path / "m"
+    tiny_model("llama").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    path = tmp_path / "phrases.pool"
+    spec = speculum.load(str(model_dir), draft="self:1", dtype="float32")
+    prompt = repetitive_prompt(24, 5, 0)
+    a = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL, pool_path=str(path)))
+    spec.generate(prompt, "ouroboros", max_new_tokens=24, **SMALL, pool_path=str(path))
+    assert path.exists() and len(a.pool) > 0  # saved after the request
+    b = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL, num_phrase_candidates=1, pool_path=str(path)))
+    assert b.pool is a.pool  # another configuration of the same Speculum: the same pool
+    fresh = speculum.load(str(model_dir), draft="self:1", dtype="float32")  # a restart
+    c = fresh.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL, pool_path=str(path)))
+    assert {k: c.pool.get(k) for k in c.pool.keys()} == {k: a.pool.get(k) for k in a.pool.keys()}
+    plain = fresh.generate(prompt, max_new_tokens=24)
+    warm = fresh.generate(prompt, "ouroboros", max_new_tokens=24, **SMALL, pool_path=str(path))
+    assert warm.token_ids == plain.token_ids
+    assert isinstance(c.pool, PhrasePool)
+
+
+def test_ouroboros_sampling_runs_and_is_seeded(pair):
+    model, draft = pair
+    prompt = repetitive_prompt(20, 4, 1)
+    outs = []
+    for _ in range(2):
+        drafter = build_drafter("ouroboros", draft, VOCAB, **SMALL)
+        gen = torch.Generator().manual_seed(4)
+        out, _ = generate_ids(model, prompt, drafter, 20, SamplingParams(temperature=0.9), gen)
+        outs.append(out)
+    assert outs[0] == outs[1] and len(outs[0]) == 20
+
+
+def test_bad_options_refused(pair):
+    model, draft = pair
+    with pytest.raises(InvalidInputError, match="draft model"):
+        build_drafter("ouroboros")
+    with pytest.raises(InvalidInputError, match="ngram_size"):
+        build_drafter("ouroboros", draft, VOCAB, ngram_size=1)
+    with pytest.raises(InvalidInputError, match="reuse_history"):
+        build_drafter("ouroboros", draft, VOCAB, reuse_history=False, pool_path="x.pool")
