@@ -130,8 +130,19 @@ OUROBOROS_SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 
         {"verification_phrases": False},
         {"reuse_history": False},
         {"phrase_drafting": False, "lengthen": False, "verification_phrases": False, "reuse_history": False},
+        {"length_policy": "heuristic"},
+        {"length_policy": "confidence"},
     ],
-    ids=["all", "no-phrase-drafting", "no-lengthen", "no-verification-phrases", "no-history", "none"],
+    ids=[
+        "all",
+        "no-phrase-drafting",
+        "no-lengthen",
+        "no-verification-phrases",
+        "no-history",
+        "none",
+        "heuristic",
+        "confidence",
+    ],
 )
 def test_ouroboros(arch_setup, switches):
     _, model, refs = arch_setup

@@ -184,12 +184,18 @@ class RecordingPolicy(LengthPolicy):
         return False
 
 
+OUROBOROS = {"window_size": 3, "ngram_size": 3, "guess_set_size": 3, "lengthen": False}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ouroboros"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_length_policy_sees_draft_logits_and_hidden_state(arch):
+def test_length_policy_sees_draft_logits_and_hidden_state(arch, method):
+    """Also for Ouroboros, whose draft forwards produce several tokens at once (phrase drafting)."""
     model = tiny_model(arch)
     draft_model = perturbed_copy(model, scale=0.4)
     prompt = repetitive_prompt(24, 5, 0)
-    drafter = build_drafter("draft_model", draft_model, VOCAB, num_speculative_tokens=4, length_policy="fixed")
+    params = OUROBOROS if method == "ouroboros" else {}
+    drafter = build_drafter(method, draft_model, VOCAB, num_speculative_tokens=4, length_policy="fixed", **params)
     policy = drafter.policy = RecordingPolicy()
     contexts = []
     original = drafter.propose

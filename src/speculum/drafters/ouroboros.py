@@ -19,6 +19,10 @@ Four components, each can be switched off for the paper's ablation:
    ``pool_path`` loads it at start and saves it (atomically) after every request, so a warm start
    survives restarts. Off: each request starts with an empty pool.
 
+How far each round drafts is a length policy (:mod:`speculum.policies`): ``fixed`` γ as in the
+paper, or ``heuristic`` / ``confidence``; policies see every drafted token with the draft's logits
+(and hidden state), also when one draft forward produced several.
+
 The pool is LADE's/Ouroboros' (:class:`~speculum.drafters.phrase_pool.PhrasePool`): per key token
 at most G phrases of N - 1 tokens, least recently used dropped. The Jacobi window's column n-grams
 feed it too (the reference's lookahead trajectories).
@@ -34,11 +38,14 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.drafters.draft_model import DraftModelState
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
+from speculum.policies import DraftStep, make_policy
 from speculum.runner import LazyLogits
 from speculum.tree import TokenTree
 
@@ -49,7 +56,9 @@ __all__ = ["Options", "OuroborosDrafter"]
 class Options:
     """Parameters of the ``ouroboros`` method; defaults are the authors' Spec-Bench settings."""
 
-    num_speculative_tokens: int = 6  # γ: draft tokens per round (before lengthening)
+    num_speculative_tokens: int = 6  # γ: draft tokens per round (before lengthening); the most a policy may use
+    length_policy: str = "fixed"  # fixed (the paper) | heuristic | confidence: how far each round drafts
+    confidence_threshold: float = 0.4  # only for length_policy="confidence"
     window_size: int = 15  # W: the draft's Jacobi window
     ngram_size: int = 5  # N: phrases are N - 1 tokens after their key token
     num_phrase_candidates: int = 3  # K: phrases lengthening each draft
@@ -83,6 +92,8 @@ class Options:
             if not self.reuse_history:
                 raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
 
+        make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
+
     @property
     def phrase_length(self) -> int:
         return self.ngram_size - 1
@@ -104,6 +115,7 @@ class OuroborosDrafter(Drafter):
         # its LM head runs on those rows only.
         self.runner = resources.runner(resources.draft_model, lazy_head=True)
         self.state = DraftModelState(self.runner, resources.draft_model)
+        self.policy = make_policy(options.length_policy, options.num_speculative_tokens, options.confidence_threshold)
         self.vocab_size = resources.vocab_size
         self.model_key = resources.model_key
         self.window = JacobiWindow(options.window_size, options.phrase_length)
@@ -137,13 +149,13 @@ class OuroborosDrafter(Drafter):
     def start(self, ctx: DraftContext) -> None:
         self.state.reset()
         self.window.reset(ctx.tokens)
+        self.policy.reset()
         if not self.options.reuse_history:
             self.pool = self._pool()
         self._forwards = 0
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        o = self.options
-        budget = min(o.num_speculative_tokens, ctx.max_depth)
+        budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
         self._chain, self._phrases = [], []
@@ -151,14 +163,16 @@ class OuroborosDrafter(Drafter):
         forced = ctx.tokens[keep:]  # not in the draft's cache yet; the last one is where drafting starts
         chain: list[int] = []
         while len(chain) < budget:
-            produced = self._draft_step(forced)
             stop = False
-            for token in produced:
+            for token, logits, hidden in self._draft_step(forced):
                 if self.vocab_size is not None and token >= self.vocab_size:
                     stop = True  # a draft-only id the target cannot verify
                     break
                 chain.append(token)
                 if token in ctx.eos_token_ids or len(chain) >= budget:
+                    stop = True
+                    break
+                if self.policy.should_stop(DraftStep(len(chain) - 1, token, logits, None, hidden)):
                     stop = True
                     break
             if stop:
@@ -168,10 +182,11 @@ class OuroborosDrafter(Drafter):
             return None
         return self._lengthened(chain, ctx)
 
-    def _draft_step(self, forced: list[int]) -> list[int]:
+    def _draft_step(self, forced: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """One draft forward: ``forced`` (tokens not yet in the draft's cache) as a chain, with the
         Jacobi window and pool guesses below its last token; the draft's own greedy verification.
-        Returns the tokens it produced (its accepted guesses, then its own next token)."""
+        Returns the tokens it produced (its accepted guesses, then its own next token), each with
+        the draft's logits that chose it and, for policies that read it, its hidden state there."""
         state = self.state
         tokens: list[int] = list(forced[1:])
         parents: list[int] = list(range(-1, len(tokens) - 1))
@@ -186,7 +201,7 @@ class OuroborosDrafter(Drafter):
                     tokens.append(token)
         tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents))
         past = len(state.seen)
-        out = self.runner.forward(state.cache, tree)
+        out = self.runner.forward(state.cache, tree, hidden=self.policy.needs_hidden)
         self._forwards += 1
         node = 0 if anchor < 0 else tree.node_of[anchor]
         path = tree.path_to(node)
@@ -202,14 +217,19 @@ class OuroborosDrafter(Drafter):
         if self.options.phrase_drafting:
             top = [tree.node_of[j] for j in self.window.top_nodes]
             self.pool.add_all(self.window.step(self._argmax(out.logits, top)))
-        return produced
+        deciding = path[len(forced) - 1 :]  # the node whose output chose each produced token
+        rows = self._rows(out.logits, deciding)
+        hidden = out.hidden[deciding] if out.hidden is not None else [None] * len(deciding)
+        return list(zip(produced, rows, hidden, strict=True))
+
+    def _rows(self, logits, nodes: list[int]) -> torch.Tensor:
+        """The draft's logits after each of ``nodes``, over the target's vocabulary."""
+        rows = logits.take(nodes) if isinstance(logits, LazyLogits) else logits[nodes]
+        return rows[:, : self.vocab_size] if self.vocab_size is not None else rows
 
     def _argmax(self, logits, nodes: list[int]) -> list[int]:
-        """The draft's greedy token after each of ``nodes``, over the target's vocabulary."""
-        rows = logits.take(nodes) if isinstance(logits, LazyLogits) else logits[nodes]
-        if self.vocab_size is not None:
-            rows = rows[:, : self.vocab_size]
-        return rows.argmax(dim=-1).tolist()
+        """The draft's greedy token after each of ``nodes``."""
+        return self._rows(logits, nodes).argmax(dim=-1).tolist()
 
     def _lengthened(self, chain: list[int], ctx: DraftContext) -> Draft:
         """The draft chain with up to K pool phrases below its last token (component 2)."""
@@ -233,6 +253,8 @@ class OuroborosDrafter(Drafter):
         return Draft(tokens, parents)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        if self._chain:
+            self.policy.update(min(len(outcome.accepted), len(self._chain)), len(self._chain))
         if not self.options.verification_phrases or outcome.target is None or not self._chain:
             return
         chain, length = self._chain, self.options.phrase_length
