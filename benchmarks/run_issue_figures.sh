@@ -23,3 +23,15 @@ speculum bench --model gemma-3-270m --dtype bfloat16 $COMMON --limit 2 --max-new
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 --threads 2 \
   --compare-transformers --dataset humaneval,gsm8k,mt_bench --limit 1 --max-new-tokens 64 \
   --methods autoregressive,draft_model,prompt_lookup,anpd --out $OUT/qwen-bf16
+
+# Issue #6: Gemma before/after (run the same command from a worktree of commit 6cfc00f with
+# PYTHONPATH=<worktree>/src python -m speculum.cli ... for the "before" row), then the overheads
+speculum bench --model gemma-3-270m --dtype float32 $COMMON --limit 5 --max-new-tokens 128 \
+  --methods autoregressive,prompt_lookup,anpd --out $OUT/gemma-fp32-after6
+python benchmarks/engine_overheads.py
+
+# Issue #7: Qwen pair, dtype auto (bfloat16 on AVX-512-bf16 CPUs); parameters tuned on MBPP
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $COMMON --limit 5 --max-new-tokens 64 \
+  --methods "autoregressive,draft_model,draft_model:length_policy=fixed,num_speculative_tokens=4,ouroboros:num_speculative_tokens=4,phrase_drafting=false,lookahead:window_size=4,ngram_size=4,guess_set_size=4" \
+  --out $OUT/qwen-issue7
+python benchmarks/near_ties.py $OUT/qwen-issue7 --model qwen2.5-coder-1.5b --dtype bfloat16
