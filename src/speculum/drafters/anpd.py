@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
 from speculum.drafters.ngram_table import DEFAULT_MAX_ENTRIES, NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -70,22 +70,13 @@ class Options:
             "min_count": 1,
             "max_entries": 1,
         }
-        for name, least in ints.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidInputError(f"anpd: {name} must be an integer, got {value!r}")
-            if value < least:
-                raise InvalidInputError(f"anpd: {name} must be >= {least}, got {value}")
-        for name in ("runtime_update", "multi_level", "tree", "adaptive", "persist"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"anpd: {name} must be true or false")
+        bools = ("runtime_update", "multi_level", "tree", "adaptive", "persist")
+        check_options("anpd", self, ints, bools, path="pool_path")
         agreement = self.min_agreement
         if isinstance(agreement, bool) or not isinstance(agreement, (int, float)):
             raise InvalidInputError(f"anpd: min_agreement must be a number, got {agreement!r}")
         if not 0.0 <= agreement <= 1.0:
             raise InvalidInputError(f"anpd: min_agreement must be in [0, 1], got {agreement}")
-        if self.pool_path is not None and not isinstance(self.pool_path, (str, os.PathLike)):
-            raise InvalidInputError(f"anpd: pool_path must be a path, got {self.pool_path!r}")
 
     @property
     def min_ngram_size(self) -> int:

@@ -16,17 +16,34 @@ nothing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 
+from speculum.errors import InvalidInputError
 from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import SamplingParams, warp
 from speculum.tree import Draft, TokenTree
 
-__all__ = ["Draft", "DraftContext", "Drafter", "Outcome", "Resources", "TargetOutputs"]
+__all__ = ["Draft", "DraftContext", "Drafter", "Outcome", "Resources", "TargetOutputs", "check_options"]
+
+
+def check_options(method: str, options, ints: dict[str, int], bools: tuple[str, ...] = (), path: str = "") -> None:
+    """Refuse bad ``Options`` values with one clear InvalidInputError: ``ints`` maps each integer
+    parameter to its least value, ``bools`` names the flags, ``path`` a parameter holding a path."""
+    for name, least in ints.items():
+        value = getattr(options, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise InvalidInputError(f"{method}: {name} must be an integer >= {least}, got {value!r}")
+    for name in bools:
+        if not isinstance(getattr(options, name), bool):
+            raise InvalidInputError(f"{method}: {name} must be true or false")
+    value = getattr(options, path) if path else None
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise InvalidInputError(f"{method}: {path} must be a path, got {value!r}")
 
 
 @dataclass

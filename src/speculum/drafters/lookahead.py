@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -55,16 +55,8 @@ class Options:
     max_pool_keys: int = DEFAULT_MAX_KEYS
 
     def __post_init__(self) -> None:
-        least = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0, "max_pool_keys": 1}
-        for name, low in least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidInputError(f"lookahead: {name} must be an integer >= {low}, got {value!r}")
-        for name in ("pool_from_prompt", "persist"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"lookahead: {name} must be true or false")
-        if self.pool_path is not None and not isinstance(self.pool_path, (str, os.PathLike)):
-            raise InvalidInputError(f"lookahead: pool_path must be a path, got {self.pool_path!r}")
+        ints = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0, "max_pool_keys": 1}
+        check_options("lookahead", self, ints, ("pool_from_prompt", "persist"), path="pool_path")
 
 
 class JacobiWindow:

@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
 from speculum.drafters.draft_model import DraftModelState
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
@@ -71,7 +71,7 @@ class Options:
     max_pool_keys: int = DEFAULT_MAX_KEYS
 
     def __post_init__(self) -> None:
-        least = {
+        ints = {
             "num_speculative_tokens": 1,
             "window_size": 1,
             "ngram_size": 2,
@@ -79,19 +79,10 @@ class Options:
             "guess_set_size": 1,
             "max_pool_keys": 1,
         }
-        for name, low in least.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidInputError(f"ouroboros: {name} must be an integer >= {low}, got {value!r}")
-        for name in ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"ouroboros: {name} must be true or false")
-        if self.pool_path is not None:
-            if not isinstance(self.pool_path, (str, os.PathLike)):
-                raise InvalidInputError(f"ouroboros: pool_path must be a path, got {self.pool_path!r}")
-            if not self.reuse_history:
-                raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
-
+        bools = ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history")
+        check_options("ouroboros", self, ints, bools, path="pool_path")
+        if self.pool_path is not None and not self.reuse_history:
+            raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
         make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
 
     @property
