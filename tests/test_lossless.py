@@ -132,6 +132,8 @@ OUROBOROS_SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 
         {"phrase_drafting": False, "lengthen": False, "verification_phrases": False, "reuse_history": False},
         {"length_policy": "heuristic"},
         {"length_policy": "confidence"},
+        {"context_phrases": True, "window_size": 0, "draft_guesses": 2},
+        {"context_phrases": True, "phrase_drafting": False},
     ],
     ids=[
         "all",
@@ -142,12 +144,14 @@ OUROBOROS_SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 
         "none",
         "heuristic",
         "confidence",
+        "context-no-window",
+        "context-lengthen-only",
     ],
 )
 def test_ouroboros(arch_setup, switches):
     _, model, refs = arch_setup
     draft = perturbed_copy(model, scale=0.4)
-    drafter = build_drafter("ouroboros", draft, VOCAB, **OUROBOROS_SMALL, **switches)
+    drafter = build_drafter("ouroboros", draft, VOCAB, **{**OUROBOROS_SMALL, **switches})
     stats = _check(model, refs, lambda ref: drafter)  # one drafter for all prompts: the pool carries over
     assert stats.draft_forwards > 0
 

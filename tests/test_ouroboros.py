@@ -132,3 +132,41 @@ def test_bad_options_refused(pair):
         build_drafter("ouroboros", draft, VOCAB, ngram_size=1)
     with pytest.raises(InvalidInputError, match="reuse_history"):
         build_drafter("ouroboros", draft, VOCAB, reuse_history=False, pool_path="x.pool")
+
+
+def test_context_phrases_seed_the_pool_from_prompt_and_output(pair):
+    model, draft = pair
+    drafter = build_drafter("ouroboros", draft, VOCAB, **SMALL, context_phrases=True)
+
+    class Ctx:
+        tokens = [1, 2, 3, 4, 5, 6]
+
+    drafter.start(Ctx)
+    assert drafter.pool.get(1) == [(2, 3, 4)] and drafter.pool.get(2) == [(3, 4, 5)]
+    assert drafter.pool.get(3) == [(4, 5, 6)] and drafter.pool.get(4) == []  # phrases lie inside the text
+    Ctx.tokens = [1, 2, 3, 4, 5, 6, 7, 2, 9]  # three tokens committed
+    drafter._chain = []
+    drafter.observe(Ctx, Outcome([], [], 7, 0))
+    assert drafter.pool.get(4) == [(5, 6, 7)] and drafter.pool.get(6) == [(7, 2, 9)]
+    assert drafter.pool.get(2) == [(3, 4, 5)]  # added once, not again
+    assert drafter.pool.get(5) == [(6, 7, 2)]
+
+
+def test_window_zero_drafts_from_pool_guesses_only(pair):
+    model, draft = pair
+    prompt = repetitive_prompt()
+    ref = reference_greedy(model, prompt, 24)
+    drafter = build_drafter(
+        "ouroboros", model, VOCAB, **{**SMALL, "window_size": 0}, draft_guesses=2, context_phrases=True, lengthen=False
+    )
+    out, stats = generate_ids(model, prompt, drafter, 24)
+    assert out == ref
+    # the draft is the target itself: pool phrases copied from the repetitive prompt are accepted by
+    # the draft, so it produces more than one token per forward
+    assert stats.draft_forwards < stats.drafted_tokens
+
+
+def test_draft_guesses_must_be_a_count(pair):
+    model, draft = pair
+    with pytest.raises(InvalidInputError, match="draft_guesses"):
+        build_drafter("ouroboros", draft, VOCAB, draft_guesses=-1)

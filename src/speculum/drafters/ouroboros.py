@@ -19,6 +19,11 @@ Four components, each can be switched off for the paper's ablation:
    ``pool_path`` loads it at start and saves it (atomically) after every request, so a warm start
    survives restarts. Off: each request starts with an empty pool.
 
+Extensions, off by default: ``context_phrases`` also puts the prompt's and the output's own
+n-grams in the pool (what prompt lookup copies from), and ``window_size=0`` with
+``draft_guesses`` makes phrase drafting a cheap check of a few pool phrases by the draft, without
+a Jacobi window.
+
 How far each round drafts is a length policy (:mod:`speculum.policies`): ``fixed`` γ as in the
 paper, or ``heuristic`` / ``confidence``; policies see every drafted token with the draft's logits
 (and hidden state), also when one draft forward produced several.
@@ -59,28 +64,34 @@ class Options:
     num_speculative_tokens: int = 6  # γ: draft tokens per round (before lengthening); the most a policy may use
     length_policy: str = "fixed"  # fixed (the paper) | heuristic | confidence: how far each round drafts
     confidence_threshold: float = 0.4  # only for length_policy="confidence"
-    window_size: int = 15  # W: the draft's Jacobi window
+    window_size: int = 15  # W: the draft's Jacobi window (0: phrase drafting guesses from the pool only)
     ngram_size: int = 5  # N: phrases are N - 1 tokens after their key token
     num_phrase_candidates: int = 3  # K: phrases lengthening each draft
-    guess_set_size: int = 15  # G: phrases kept per key (all of them are the draft's own guesses)
+    guess_set_size: int = 15  # G: phrases kept per key
+    draft_guesses: int | None = None  # pool phrases the draft verifies per forward (None: all G, the paper)
     phrase_drafting: bool = True  # component 1
     lengthen: bool = True  # component 2
     verification_phrases: bool = True  # component 3
     reuse_history: bool = True  # component 4
+    # Extension (not in the paper): the prompt's and the committed output's own n-grams go into the
+    # pool too, so lengthening and phrase drafting also copy from the context (as prompt lookup does).
+    context_phrases: bool = False
     pool_path: str | None = None  # loaded when present, saved after each request (needs reuse_history)
     max_pool_keys: int = DEFAULT_MAX_KEYS
 
     def __post_init__(self) -> None:
         ints = {
             "num_speculative_tokens": 1,
-            "window_size": 1,
+            "window_size": 0,
             "ngram_size": 2,
             "num_phrase_candidates": 0,
             "guess_set_size": 1,
             "max_pool_keys": 1,
         }
-        bools = ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history")
+        bools = ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history", "context_phrases")
         check_options("ouroboros", self, ints, bools, path="pool_path")
+        if self.draft_guesses is not None:
+            check_options("ouroboros", self, {"draft_guesses": 0})
         if self.pool_path is not None and not self.reuse_history:
             raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
         make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
@@ -115,6 +126,7 @@ class OuroborosDrafter(Drafter):
         self._forwards = 0
         self._chain: list[int] = []
         self._phrases: list[tuple[tuple[int, ...], list[int]]] = []
+        self._context_done = 0  # context_phrases: keys up to here are in the pool
 
     def _pool(self) -> PhrasePool:
         o = self.options
@@ -144,6 +156,17 @@ class OuroborosDrafter(Drafter):
         if not self.options.reuse_history:
             self.pool = self._pool()
         self._forwards = 0
+        self._context_done = 0
+        self._add_context_phrases(ctx.tokens)
+
+    def _add_context_phrases(self, tokens: list[int]) -> None:
+        """context_phrases: every n-gram of the context not yet in the pool (the newest last, so the
+        newest phrase of a key is the one seen most recently)."""
+        if not self.options.context_phrases:
+            return
+        length = self.options.phrase_length
+        self.pool.add_ngrams(tokens, length, start=self._context_done)
+        self._context_done = max(self._context_done, len(tokens) - length)
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         budget = self.policy.budget(ctx.max_depth)
@@ -183,8 +206,10 @@ class OuroborosDrafter(Drafter):
         parents: list[int] = list(range(-1, len(tokens) - 1))
         anchor = len(tokens) - 1  # draft index of the last forced token (-1: the root)
         if self.options.phrase_drafting:
-            self.window.add_to(tokens, parents, root=anchor)
-            for phrase in self.pool.get(forced[-1], self.options.guess_set_size):
+            if self.options.window_size > 0:
+                self.window.add_to(tokens, parents, root=anchor)
+            guesses = self.options.draft_guesses
+            for phrase in self.pool.get(forced[-1], self.options.guess_set_size if guesses is None else guesses):
                 parent = anchor
                 for token in phrase:
                     parents.append(parent)
@@ -205,7 +230,7 @@ class OuroborosDrafter(Drafter):
         produced = [tree.tokens[n] for n in path[len(forced) :]] + [best]
         self.runner.commit(state.cache, past, path)
         state.seen.extend(forced + produced[:-1])
-        if self.options.phrase_drafting:
+        if self.options.phrase_drafting and self.options.window_size > 0:
             top = [tree.node_of[j] for j in self.window.top_nodes]
             self.pool.add_all(self.window.step(self._argmax(out.logits, top)))
         deciding = path[len(forced) - 1 :]  # the node whose output chose each produced token
@@ -244,6 +269,8 @@ class OuroborosDrafter(Drafter):
         return Draft(tokens, parents)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        if self.options.context_phrases:
+            self._add_context_phrases(ctx.tokens)  # the tokens just committed
         if self._chain:
             self.policy.update(min(len(outcome.accepted), len(self._chain)), len(self._chain))
         if not self.options.verification_phrases or outcome.target is None or not self._chain:
