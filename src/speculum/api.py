@@ -62,6 +62,8 @@ class Speculum:
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         self._vocab_key: str | None = None
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        # what generate() uses when no method is named: load(config=...) sets it
+        self.default_config = SpeculativeConfig("autoregressive")
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +118,7 @@ class Speculum:
     def generate(
         self,
         prompt: Prompt,
-        method: str | SpeculativeConfig = "autoregressive",
+        method: str | SpeculativeConfig | None = None,
         *,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -126,7 +128,7 @@ class Speculum:
         stream: bool = False,
         **method_params: Any,
     ) -> GenerationResult | GenerationStream:
-        config = SpeculativeConfig.coerce(method, **method_params)
+        config = SpeculativeConfig.coerce(self.default_config if method is None else method, **method_params)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -208,6 +210,7 @@ def load(
     offload_folder: str | None = None,
     gguf_file: str | None = None,
     prepack: bool | str = "auto",
+    config: str | SpeculativeConfig | None = None,
 ) -> Speculum:
     """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
 
@@ -217,9 +220,16 @@ def load(
     for ``"disk"``) splits a big target over several devices; the draft goes on ``draft_device``.
     ``prepack`` ("auto": where supported, i.e. float32 on CPU) reorders linear weights once for
     oneDNN, which makes verifying a few tokens cost about one decode step (see ``speculum.accel``).
+    ``config``: a method config (or the path of a config file from ``speculum tune --out``) that
+    ``generate()`` then uses when no method is named; ``model`` and ``draft`` default to the ones
+    the file names.
     """
     from speculum import models
 
+    if config is not None:
+        config = SpeculativeConfig.coerce(config)
+        model = model or config.metadata.get("model")
+        draft = draft or config.metadata.get("draft")
     if prepack not in (True, False, "auto"):
         raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
     name = model or models.DEFAULT_MODEL
@@ -239,4 +249,7 @@ def load(
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
             if prepack:
                 accel.prepack(draft_model)
-    return Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
+    spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
+    if config is not None:
+        spec.default_config = config
+    return spec

@@ -45,9 +45,17 @@ def parse_params(items: list[str]) -> dict:
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text ('-' reads stdin).")],
-    model: Annotated[str, typer.Option(help="Packaged alias, hub id, local path or .gguf file.")] = "gemma-3-270m",
+    model: Annotated[
+        str | None, typer.Option(help="Packaged alias, hub id, local path or .gguf file. [default: gemma-3-270m]")
+    ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")] = None,
-    method: Annotated[str, typer.Option(help="autoregressive, draft_model, prompt_lookup, anpd, ...")] = "anpd",
+    method: Annotated[
+        str | None, typer.Option(help="autoregressive, draft_model, prompt_lookup, anpd, ... [default: anpd]")
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(help="A config file from `speculum tune --out`: its method, parameters, model and draft."),
+    ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Draft length K (method default if unset).")
     ] = None,
@@ -73,7 +81,19 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        config = speculum.SpeculativeConfig(method, num_speculative_tokens, **parse_params(param or []))
+        params = parse_params(param or [])
+        if num_speculative_tokens is not None:
+            params["num_speculative_tokens"] = num_speculative_tokens
+        if config is not None:
+            file_config = speculum.SpeculativeConfig.from_file(config)
+            if method is not None and method != file_config.method:
+                fail(f"--method {method} contradicts the config file's method {file_config.method}")
+            config = speculum.SpeculativeConfig.coerce(file_config, **params)
+            model = model or file_config.metadata.get("model")
+            draft = draft or file_config.metadata.get("draft")
+        else:
+            config = speculum.SpeculativeConfig.coerce(method or "anpd", **params)
+        model = model or "gemma-3-270m"
         speculum.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if not prompt.strip():
             fail("the prompt is empty")
@@ -150,6 +170,126 @@ def models() -> None:
             row["pip"],
         )
     Console().print(table)
+
+
+@app.command()
+def tune(
+    method: Annotated[str, typer.Option(help="ouroboros, anpd or draft_model.")],
+    model: Annotated[str, typer.Option(help="Target: packaged alias, hub id or local path.")] = "gemma-3-270m",
+    draft: Annotated[str | None, typer.Option(help="Draft model, or self:N (draft_model, ouroboros).")] = None,
+    dataset: Annotated[
+        str, typer.Option(help="Prompts to tune on: a prompt set name or a question.jsonl (keep the report sets out).")
+    ] = "mbpp",
+    limit: Annotated[int, typer.Option(min=1, help="Prompts to tune on.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    param: Annotated[list[str] | None, typer.Option(help="Fix a parameter, key=value (repeatable).")] = None,
+    out: Annotated[str | None, typer.Option(help="Write the chosen configuration to this config file (.json).")] = None,
+    sweeps: Annotated[int, typer.Option(min=1, help="Most sweeps over the parameters.")] = 3,
+    min_gain: Annotated[float, typer.Option(min=0.0, help="Least relative gain that changes a parameter.")] = 0.02,
+    confirm: Annotated[bool, typer.Option(help="Time the choice against plain decoding and the defaults.")] = True,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
+    chat: Annotated[
+        bool | None, typer.Option("--chat/--no-chat", help="Apply the chat template (default: as speculum bench).")
+    ] = None,
+) -> None:
+    """Choose a method's parameters for this machine: heuristic search (Ouroboros' Algorithm 1) scored by
+    exact replay of the target's greedy outputs and a measured verification cost, then a timed check."""
+    from speculum.tune import TUNABLE
+
+    if method not in TUNABLE:
+        fail(f"speculum tune supports --method {', '.join(TUNABLE)}; got {method!r}")
+    if out is not None and not out.endswith(".json"):
+        fail(f"--out must name a .json file, got {out!r}")
+    import torch
+
+    import speculum
+    from speculum.bench.datasets import load_dataset
+    from speculum.tune import describe_params
+    from speculum.tune import tune as run_tune
+
+    try:
+        fixed = parse_params(param or [])
+        speculum.SpeculativeConfig.coerce(method, **fixed)
+        prompts = load_dataset(dataset, limit)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        with err.status(f"loading {model}" + (f" + {draft}" if draft else "")):
+            spec = speculum.load(model, draft, dtype=dtype, device=device)
+        has_template = bool(getattr(spec.tokenizer, "chat_template", None))
+        ids = [
+            spec.encode_prompt(p.render(chat if chat is not None else (p.chat_default and has_template)))
+            for p in prompts
+        ]
+        result = run_tune(
+            spec,
+            method,
+            ids,
+            max_new_tokens=max_new_tokens,
+            fixed=fixed,
+            max_sweeps=sweeps,
+            min_gain=min_gain,
+            confirm=confirm,
+            log=lambda line: err.print(line, highlight=False),
+        )
+    except SpeculumError as error:
+        fail(str(error))
+    table = Table(title=f"speculum tune --method {method}: {len(ids)} prompts of {dataset}, {max_new_tokens} tokens")
+    table.add_column("parameters")
+    table.add_column("predicted tok/s", justify="right")
+    table.add_column("vs plain", justify="right")
+    table.add_column("acc. length", justify="right")
+    start_label = "start: " + (describe_params(fixed) if fixed else "defaults")
+    for label, ev in ((start_label, result.start), ("chosen: " + describe_params(result.params), result.best)):
+        table.add_row(
+            label,
+            f"{ev.tokens_per_second:.2f}",
+            f"×{ev.tokens_per_second / result.plain_predicted_tps:.2f}",
+            f"{ev.mean_acceptance_length:.2f}",
+        )
+    Console().print(table)
+    if result.measured:
+        plain = result.measured.get("autoregressive")
+        line = ", ".join(
+            f"{label} {tps:.2f} tok/s" + (f" (×{tps / plain:.2f})" if plain and label != "autoregressive" else "")
+            for label, tps in result.measured.items()
+        )
+        Console().print(f"measured: {line}", highlight=False)
+    metadata = {
+        "model": model,
+        "draft": draft,
+        "dtype": str(spec.model.dtype).replace("torch.", ""),
+        "tuning": {
+            "prompts": f"{dataset} x {len(ids)}",
+            "max_new_tokens": max_new_tokens,
+            "predicted_speedup": round(result.best.tokens_per_second / result.plain_predicted_tps, 3),
+            "measured_tokens_per_s": {k: round(v, 3) for k, v in result.measured.items()},
+            "machine": _machine_line(),
+            "date": _now(),
+        },
+    }
+    if out is not None:
+        try:
+            result.config.save(out, **metadata)
+        except SpeculumError as error:
+            fail(str(error))
+        Console().print(f"wrote {out}: `speculum generate --config {out}`, `speculum bench --methods {out}`")
+    else:
+        Console().print(f"chosen: --method {method} " + " ".join(f"--param {k}={v}" for k, v in result.params.items()))
+
+
+def _machine_line() -> str:
+    from speculum.bench.report import machine_info
+
+    info = machine_info()
+    return f"{info.get('cpu', '?')}, {info.get('threads', '?')} threads"
+
+
+def _now() -> str:
+    from speculum.bench.report import now_iso
+
+    return now_iso()
 
 
 def _register_bench() -> None:

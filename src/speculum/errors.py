@@ -23,3 +23,7 @@ class IncompatibleDraftError(SpeculumError):
 
 class PoolFileError(SpeculumError):
     """A saved drafter table (n-gram pool, phrase pool) that is corrupt or belongs to another model."""
+
+
+class ConfigFileError(InvalidInputError):
+    """A method config file (``speculum tune --out``) that cannot be read or is not one."""

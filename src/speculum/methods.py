@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 from typing import Any
 
-from speculum.errors import InvalidInputError, UnknownMethodError
+from speculum.errors import ConfigFileError, InvalidInputError, UnknownMethodError
+
+CONFIG_FORMAT = "speculum-config"
+CONFIG_VERSION = 1
 
 # method name -> "module:DrafterClass"; each module also defines an ``Options`` dataclass.
 METHODS: dict[str, str] = {
@@ -43,6 +48,7 @@ class SpeculativeConfig:
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens
         self.params = dict(params)
+        self.metadata: dict[str, Any] = {}  # what a config file said besides the method (model, draft, tuning)
         self.options()  # validate now, not in the middle of a generation
 
     def drafter_class(self) -> type:
@@ -73,13 +79,71 @@ class SpeculativeConfig:
         k = f", num_speculative_tokens={self.num_speculative_tokens}" if self.num_speculative_tokens else ""
         return f"SpeculativeConfig(method={self.method!r}{k}{extra})"
 
+    def all_params(self) -> dict[str, Any]:
+        """The parameters as given, ``num_speculative_tokens`` included when set."""
+        extra = {} if self.num_speculative_tokens is None else {"num_speculative_tokens": self.num_speculative_tokens}
+        return {**extra, **self.params}
+
+    # ------------------------------------------------------------------ config files
+
+    def save(self, path: str | os.PathLike[str], **metadata: Any) -> None:
+        """Write this configuration as a JSON config file (atomically), with ``metadata`` such as
+        ``model``, ``draft`` and how it was tuned; ``load(config=...)``, ``generate`` and ``bench`` read it."""
+        from speculum.poolfile import write_atomic
+
+        doc = {
+            "format": CONFIG_FORMAT,
+            "version": CONFIG_VERSION,
+            "method": self.method,
+            "params": self.all_params(),
+            **{k: v for k, v in {**self.metadata, **metadata}.items() if v is not None},
+        }
+        data = (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode("utf-8")
+        write_atomic(path, data, what="config file", error=ConfigFileError)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> SpeculativeConfig:
+        """Read a config file written by :meth:`save` (``speculum tune --out``); ConfigFileError if it is not one."""
+        where = str(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except OSError as exc:
+            raise ConfigFileError(f"cannot read config file {where!r}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigFileError(f"config file {where!r} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != CONFIG_FORMAT:
+            raise ConfigFileError(f'{where!r} is not a speculum config file (no "format": "{CONFIG_FORMAT}")')
+        if doc.get("version") != CONFIG_VERSION:
+            found = doc.get("version")
+            raise ConfigFileError(f"config file {where!r} has version {found!r}; this speculum reads {CONFIG_VERSION}")
+        params = doc.get("params", {})
+        if not isinstance(doc.get("method"), str) or not isinstance(params, dict):
+            raise ConfigFileError(f'config file {where!r} needs a "method" name and a "params" object')
+        try:
+            config = cls.coerce(doc["method"], **params)
+        except InvalidInputError as exc:
+            raise ConfigFileError(f"config file {where!r}: {exc}") from None
+        config.metadata = {k: v for k, v in doc.items() if k not in ("format", "version", "method", "params")}
+        return config
+
+    @staticmethod
+    def is_file_reference(method: Any) -> bool:
+        """Whether ``method`` names a config file rather than a method (a path ending in .json)."""
+        return isinstance(method, (str, os.PathLike)) and str(method).endswith(".json")
+
     @classmethod
     def coerce(cls, method: str | SpeculativeConfig, **params: Any) -> SpeculativeConfig:
+        """A config from a method name, a config file path (``*.json``) or a config, with ``params`` on top."""
+        if cls.is_file_reference(method):
+            method = cls.from_file(method)
         if isinstance(method, SpeculativeConfig):
             if params:
                 merged = {**method.params, **params}
                 k = merged.pop("num_speculative_tokens", method.num_speculative_tokens)
-                return cls(method.method, k, **merged)
+                config = cls(method.method, k, **merged)
+                config.metadata = dict(method.metadata)
+                return config
             return method
         if not isinstance(method, str):
             raise InvalidInputError(f"method must be a name or a SpeculativeConfig, got {type(method).__name__}")

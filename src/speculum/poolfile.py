@@ -54,18 +54,24 @@ def write_pool_file(
         "body_sha256": hashlib.sha256(body_bytes).hexdigest(),
     }
     blob = json.dumps(header, sort_keys=True).encode("utf-8") + b"\n" + body_bytes
+    write_atomic(path, blob, what=f"{what} file", error=PoolFileError)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file", error=OSError) -> None:
+    """Write ``data`` to ``path`` all or nothing: a temp file in the same directory, fsync, ``os.replace``.
+    An existing file is untouched when anything fails (raised as ``error`` with one clear message)."""
     path = Path(path)
     tmp_name = None
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
         tmp_name = None
     except OSError as exc:
-        raise PoolFileError(f"cannot write {what} file {str(path)!r}: {exc}") from exc
+        raise error(f"cannot write {what} {str(path)!r}: {exc}") from exc
     finally:
         if tmp_name is not None:
             with contextlib.suppress(OSError):

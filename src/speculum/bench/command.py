@@ -47,7 +47,8 @@ def bench(
         str,
         typer.Option(
             help="Comma-separated method specs: name or name:key=value,key=value "
-            "(e.g. autoregressive,anpd:num_speculative_tokens=5,tree=true). hf_generate, hf_assisted and "
+            "(e.g. autoregressive,anpd:num_speculative_tokens=5,tree=true), or a config file from "
+            "`speculum tune --out` (tuned.json). hf_generate, hf_assisted and "
             "hf_prompt_lookup name transformers' own generate."
         ),
     ] = DEFAULT_METHODS,

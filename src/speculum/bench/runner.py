@@ -66,13 +66,19 @@ def parse_value(text: str) -> Any:
 
 
 def parse_method_spec(spec: str, known: Iterable[str] | None = None) -> MethodSpec:
-    """Parse ``name`` or ``name:key=value,key=value`` (``-`` in keys reads as ``_``).
+    """Parse ``name``, ``name:key=value,key=value`` (``-`` in keys reads as ``_``) or the path of a
+    config file (``tuned.json``, from ``speculum tune --out``).
 
     ``known``: the accepted method names (speculum's plus :data:`HF_METHODS`); ``None`` skips that check.
     """
     label = spec.strip()
     if not label:
         raise InvalidInputError("empty method spec")
+    if label.endswith(".json"):  # a config file from `speculum tune --out` (optionally written @file.json)
+        from speculum.methods import SpeculativeConfig
+
+        config = SpeculativeConfig.from_file(label.removeprefix("@"))
+        return MethodSpec(label, config.method, config.all_params())
     name, sep, rest = label.partition(":")
     name = name.strip()
     if not name:

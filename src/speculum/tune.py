@@ -1,0 +1,294 @@
+"""``speculum tune``: choose a method's parameters for this machine, these models and these prompts.
+
+The search is the Ouroboros paper's heuristic one (Algorithm 1) as we read it: start from the
+method's defaults, vary one parameter at a time over a short grid of values, keep a change only if
+it makes generation faster, and sweep the parameters again until a sweep changes nothing.
+
+How a candidate is scored, without timing noise where none is needed:
+
+* **Acceptance by exact replay.** The target's greedy output for each tuning prompt is generated
+  once; greedy verification accepts exactly the draft tokens that match it, so every candidate is
+  run through the engine's own loop with the target replaced by that recorded output
+  (:mod:`speculum.bench.replay`). This gives each step's tree size and accepted length exactly.
+* **Cost by measurement.** The drafter runs for real, so its time (draft-model forwards, n-gram
+  lookups) is measured. The target's cost is a verification-cost curve t(K) measured once on this
+  machine (one forward over a K-node tree after a cache of a typical prompt length). The predicted
+  time of a candidate is its drafting time + sum over steps of t(tree size) + the engine's own
+  bookkeeping time.
+
+The chosen parameters are then confirmed by a real timed run, interleaved per prompt with plain
+decoding (and the method's defaults), and can be written to a config file that ``load``,
+``generate`` and ``bench`` accept (:meth:`SpeculativeConfig.save`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculum.bench.replay import replay
+from speculum.cache import crop
+from speculum.errors import InvalidInputError
+from speculum.methods import SpeculativeConfig
+from speculum.stats import Stats
+from speculum.tree import TokenTree
+
+# The parameters searched per method, in the order they are swept (the draft length first, as in
+# the paper, then what shapes the tree). A user's own --param values stay fixed.
+SEARCH_SPACES: dict[str, list[tuple[str, list[Any]]]] = {
+    "draft_model": [
+        ("length_policy", ["fixed", "heuristic", "confidence"]),
+        ("num_speculative_tokens", [2, 3, 4, 5, 6, 8]),
+        ("confidence_threshold", [0.2, 0.3, 0.4, 0.6]),
+    ],
+    "ouroboros": [
+        ("num_speculative_tokens", [2, 3, 4, 5, 6, 8]),
+        ("length_policy", ["fixed", "heuristic", "confidence"]),
+        ("phrase_drafting", [True, False]),
+        ("window_size", [0, 1, 2, 4, 8, 15]),
+        ("draft_guesses", [None, 1, 2, 4]),
+        ("ngram_size", [3, 4, 5, 6]),
+        ("num_phrase_candidates", [0, 1, 2, 3, 5, 8]),
+        ("guess_set_size", [2, 4, 8, 15]),
+        ("context_phrases", [False, True]),
+    ],
+    "anpd": [
+        ("num_speculative_tokens", [3, 5, 7, 10]),
+        ("max_ngram_size", [3, 4, 5, 6]),
+        ("tree", [False, True]),
+        ("max_tree_nodes", [8, 16, 32]),
+        ("tree_top_k", [2, 3, 4]),
+        ("min_agreement", [0.05, 0.1, 0.2, 0.3]),
+    ],
+}
+TUNABLE = tuple(SEARCH_SPACES)
+
+
+@dataclass
+class CostModel:
+    """t(K): seconds of one target forward (and commit) over a K-node tree, measured at a few K and
+    interpolated linearly in between (extrapolated from the last two points beyond)."""
+
+    points: list[tuple[int, float]]
+
+    def __call__(self, k: int) -> float:
+        pts = self.points
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, t0), (k1, t1) in zip(pts, pts[1:], strict=False):
+            if k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        (k0, t0), (k1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (k - k1) / (k1 - k0)
+
+    @classmethod
+    def measure(cls, runner, prefix_ids: list[int], ks: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), reps: int = 3):
+        """Median time of ``reps`` forwards per K after a cache holding ``prefix_ids`` (one warm-up each)."""
+        cache = runner.new_cache()
+        runner.prefill(cache, prefix_ids[:-1])
+        past = len(prefix_ids) - 1
+        points = []
+        for k in ks:
+            tree = _two_branch_tree(prefix_ids, k)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                out = runner.forward(cache, tree)
+                out.logits[0].argmax()  # the verifier reads at least the root's row
+                times.append(time.perf_counter() - t0)
+                crop(cache, past)
+            points.append((k, statistics.median(times[1:])))
+        return cls(points)
+
+
+def _two_branch_tree(ids: list[int], k: int) -> TokenTree:
+    """A K-node tree (root included) of two chains below the root, so the tree mask is paid as in
+    real drafts (a chain would take the cheaper causal path)."""
+    tokens = [ids[-1]] + [ids[i % len(ids)] for i in range(k - 1)]
+    second = 1 + k // 2  # the second chain starts here (nodes 1..second-1 are the first)
+    parents = [-1] + [0 if i in (1, second) else i - 1 for i in range(1, k)]
+    return TokenTree(tokens, parents)
+
+
+@dataclass
+class TunePrompt:
+    ids: list[int]
+    reference: list[int]  # the target's greedy output
+    prefill_time: float
+    plain_time: float  # plain decoding's wall time for the reference (measured once)
+
+
+@dataclass
+class Evaluation:
+    params: dict[str, Any]
+    predicted_time: float
+    new_tokens: int
+    mean_acceptance_length: float
+    draft_time: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.predicted_time if self.predicted_time > 0 else 0.0
+
+
+@dataclass
+class TuneResult:
+    method: str
+    params: dict[str, Any]  # the chosen parameters (all of them that differ from the defaults, plus fixed ones)
+    best: Evaluation
+    start: Evaluation
+    plain_predicted_tps: float
+    trace: list[Evaluation] = field(default_factory=list)
+    measured: dict[str, float] = field(default_factory=dict)  # confirmation run: label -> tokens/s
+    cost_model: CostModel | None = None
+
+    @property
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig.coerce(self.method, **self.params)
+
+
+def _defaults(method: str) -> dict[str, Any]:
+    options = SpeculativeConfig(method).options()
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int, progress=None) -> list[TunePrompt]:
+    """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first)."""
+    spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
+    prompts = []
+    for ids in prompt_ids:
+        result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
+        stats = result.stats
+        prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
+        if progress:
+            progress()
+    return prompts
+
+
+def tune(
+    spec,
+    method: str,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int = 64,
+    fixed: dict[str, Any] | None = None,
+    max_sweeps: int = 3,
+    min_gain: float = 0.02,
+    confirm: bool = True,
+    log: Callable[[str], None] = lambda _: None,
+) -> TuneResult:
+    """Search ``method``'s parameters on ``prompt_ids`` (greedy); see the module docstring.
+
+    ``fixed``: parameters not searched. A change is kept when it predicts at least ``min_gain``
+    (relative) more tokens/s. ``confirm``: time the choice against plain decoding and the defaults.
+    """
+    if method not in SEARCH_SPACES:
+        raise InvalidInputError(f"speculum tune supports {', '.join(TUNABLE)}; got {method!r}")
+    if not prompt_ids:
+        raise InvalidInputError("no prompts to tune on")
+    fixed = dict(fixed or {})
+    SpeculativeConfig.coerce(method, **fixed)  # refuse bad fixed values before any model work
+    cls = SpeculativeConfig(method).drafter_class()
+    if getattr(cls, "needs_draft_model", False) and spec.draft_model is None:
+        raise InvalidInputError(f"method {method!r} needs a draft model: pass --draft (a model or self:N)")
+
+    log("plain decoding: greedy references and timings")
+    prompts = prepare_prompts(spec, prompt_ids, max_new_tokens)
+    typical = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2]
+    log("measuring the target's verification cost t(K)")
+    cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2])
+    log("t(K): " + ", ".join(f"K={k} {t * 1000:.1f} ms" for k, t in cost.points))
+
+    plain_steps = sum(len(p.reference) for p in prompts)
+    plain_time = sum(p.prefill_time for p in prompts) + plain_steps * cost(1)
+    plain_tps = plain_steps / plain_time
+
+    defaults = _defaults(method)
+    cache: dict[tuple, Evaluation] = {}
+    trace: list[Evaluation] = []
+
+    def evaluate(params: dict[str, Any]) -> Evaluation | None:
+        try:
+            config = SpeculativeConfig.coerce(method, **params)
+        except InvalidInputError:
+            return None  # a combination the method refuses (e.g. a bound below another)
+        if config.key() in cache:
+            return cache[config.key()]
+        # a fresh drafter and pool per candidate: one candidate's phrases must not warm another's
+        resources = dataclasses.replace(spec.resources(), shared={})
+        drafter = config.drafter_class()(config.options(), resources)
+        total, tokens, draft_time, lengths = 0.0, 0, 0.0, []
+        for p in prompts:
+            stats: Stats = replay(p.ids, p.reference, drafter, spec.eos_token_ids)
+            model_time = sum(cost(size + 1) for size in stats.draft_sizes)
+            total += p.prefill_time + stats.time_draft + stats.time_verify + stats.time_other + model_time
+            tokens += stats.new_tokens
+            draft_time += stats.time_draft
+            lengths.extend(stats.accept_lengths)
+        ev = Evaluation(dict(params), total, tokens, sum(lengths) / max(len(lengths), 1), draft_time)
+        cache[config.key()] = ev
+        trace.append(ev)
+        log(
+            f"  {_describe(params, defaults)}: {ev.tokens_per_second:.2f} tok/s predicted "
+            f"(×{ev.tokens_per_second / plain_tps:.2f}), acceptance length {ev.mean_acceptance_length:.2f}"
+        )
+        return ev
+
+    current = {**{k: v for k, v in defaults.items() if k not in ("pool_path",)}, **fixed}
+    start = evaluate(current)
+    if start is None:
+        raise InvalidInputError(f"the starting parameters of {method!r} are invalid: {fixed}")
+    best = start
+    space = [(name, values) for name, values in SEARCH_SPACES[method] if name not in fixed and name in defaults]
+    for sweep in range(max_sweeps):
+        log(f"sweep {sweep + 1}")
+        changed = False
+        for name, values in space:
+            for value in values:
+                if value == current[name]:
+                    continue
+                ev = evaluate({**current, name: value})
+                if ev is not None and ev.tokens_per_second > best.tokens_per_second * (1 + min_gain):
+                    current, best, changed = {**current, name: value}, ev, True
+        if not changed:
+            break
+
+    chosen = {k: v for k, v in current.items() if k in fixed or v != defaults.get(k)}
+    result = TuneResult(method, chosen, best, start, plain_tps, trace, cost_model=cost)
+    if confirm:
+        log("confirming with a timed run (interleaved with plain decoding)")
+        result.measured = confirm_timing(spec, method, chosen, fixed, prompts, max_new_tokens)
+    return result
+
+
+def confirm_timing(spec, method, chosen, fixed, prompts: list[TunePrompt], max_new_tokens: int) -> dict[str, float]:
+    """Tokens/s of plain decoding, the method's defaults and the chosen parameters, interleaved per prompt."""
+    runs = {
+        "autoregressive": SpeculativeConfig("autoregressive"),
+        "defaults": SpeculativeConfig.coerce(method, **fixed),
+        "tuned": SpeculativeConfig.coerce(method, **chosen),
+    }
+    times = dict.fromkeys(runs, 0.0)
+    tokens = dict.fromkeys(runs, 0)
+    labels = list(runs)
+    for config in runs.values():  # warm-up
+        spec.generate(prompts[0].ids, config, max_new_tokens=min(8, max_new_tokens))
+    for i, p in enumerate(prompts):
+        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+            result = spec.generate(p.ids, runs[label], max_new_tokens=max_new_tokens)
+            times[label] += result.stats.wall_time
+            tokens[label] += len(result.token_ids)
+    return {label: tokens[label] / times[label] for label in labels if times[label] > 0}
+
+
+def _describe(params: dict[str, Any], defaults: dict[str, Any]) -> str:
+    changed = {k: v for k, v in params.items() if v != defaults.get(k)}
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"
+
+
+def describe_params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(defaults)"

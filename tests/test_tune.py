@@ -1,0 +1,193 @@
+"""speculum tune: the cost model, replay-based scoring, the search, config files and the CLI."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import speculum
+from speculum.bench.replay import replay
+from speculum.cli import app
+from speculum.errors import ConfigFileError, InvalidInputError
+from speculum.methods import SpeculativeConfig
+from speculum.tune import CostModel, _two_branch_tree, tune
+
+from tiny_models import tiny_model, word_tokenizer
+
+PROMPTS = ["w3 w4 w5 w6 w3 w4 w5 w6 w3 w4", "w9 w8 w7 w9 w8 w7 w9", "w1 w2 w3 w11 w12 w13 w1 w2"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tune")
+    tiny_model("llama").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return speculum.load(model_dir, draft="self:1", dtype="float32")
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel([(1, 1.0), (4, 2.5), (8, 4.5)])
+    assert cost(1) == 1.0 and cost(0) == 1.0
+    assert cost(2) == pytest.approx(1.5) and cost(6) == pytest.approx(3.5)
+    assert cost(10) == pytest.approx(5.5)  # beyond the last point: the last slope
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8, 9])
+def test_cost_tree_has_k_nodes_in_two_branches(k):
+    tree = _two_branch_tree(list(range(20)), k)
+    assert len(tree) == k
+    assert sum(1 for p in tree.parents if p == 0) == min(2, k - 1)
+    assert tree.is_chain == (k <= 2)
+
+
+def test_cost_model_measures_every_k(spec):
+    ids = spec.encode_prompt(PROMPTS[0])
+    cost = CostModel.measure(spec.runner, ids, ks=(1, 4), reps=1)
+    assert [k for k, _ in cost.points] == [1, 4] and all(t > 0 for _, t in cost.points)
+    again = spec.generate(PROMPTS[0], "autoregressive", max_new_tokens=4)  # the cache work left nothing behind
+    assert len(again.token_ids) == 4
+
+
+@pytest.mark.parametrize("params", [{"num_speculative_tokens": 3}, {"length_policy": "fixed"}])
+def test_replay_with_a_real_draft_model_matches_a_real_run(spec, params):
+    """Scoring replays the target but runs the draft for real: acceptance must equal a real run's."""
+    ids = spec.encode_prompt(PROMPTS[0])
+    real = spec.generate(ids, "draft_model", max_new_tokens=20, **params)
+    config = SpeculativeConfig.coerce("draft_model", **params)
+    drafter = config.drafter_class()(config.options(), spec.resources())
+    replayed = replay(ids, real.token_ids, drafter, spec.eos_token_ids)
+    assert replayed.accept_lengths == real.stats.accept_lengths
+    assert replayed.draft_sizes == real.stats.draft_sizes
+
+
+def test_tune_keeps_fixed_params_and_never_chooses_worse_than_the_start(spec):
+    ids = [spec.encode_prompt(p) for p in PROMPTS]
+    lines = []
+    result = tune(
+        spec, "draft_model", ids, max_new_tokens=12, fixed={"length_policy": "fixed"}, confirm=True, log=lines.append
+    )
+    assert result.params["length_policy"] == "fixed"
+    assert result.best.tokens_per_second >= result.start.tokens_per_second
+    assert len(result.trace) > 1 and any("t(K)" in line for line in lines)
+    assert set(result.measured) == {"autoregressive", "defaults", "tuned"}
+    assert all(ev.params["length_policy"] == "fixed" for ev in result.trace)
+    SpeculativeConfig.coerce("draft_model", **result.params)  # a valid configuration
+
+
+def test_tune_refuses_what_it_cannot_do(spec, model_dir):
+    ids = [spec.encode_prompt(PROMPTS[0])]
+    with pytest.raises(InvalidInputError, match="supports"):
+        tune(spec, "prompt_lookup", ids)
+    with pytest.raises(InvalidInputError, match="no prompts"):
+        tune(spec, "anpd", [])
+    with pytest.raises(InvalidInputError, match="no parameter"):
+        tune(spec, "anpd", ids, fixed={"bogus": 1})
+    no_draft = speculum.load(model_dir, dtype="float32")
+    with pytest.raises(InvalidInputError, match="draft model"):
+        tune(no_draft, "ouroboros", ids)
+
+
+# ---------------------------------------------------------------------------------------- config files
+
+
+def test_config_file_round_trip_and_load(tmp_path, model_dir):
+    path = tmp_path / "tuned.json"
+    SpeculativeConfig("anpd", 4, max_ngram_size=3).save(path, model=model_dir, draft=None, tuning={"x": 1})
+    doc = json.loads(path.read_text())
+    assert doc["method"] == "anpd" and doc["params"] == {"num_speculative_tokens": 4, "max_ngram_size": 3}
+    assert "draft" not in doc  # None values are left out
+    config = SpeculativeConfig.from_file(path)
+    assert config.method == "anpd" and config.all_params() == doc["params"]
+    assert config.metadata == {"model": model_dir, "tuning": {"x": 1}}
+    # load(config=...) takes the model from the file; generate() without a method uses the config
+    spec = speculum.load(config=str(path), dtype="float32")
+    result = spec.generate(PROMPTS[0], max_new_tokens=8)
+    assert result.method == "anpd"
+    assert result.token_ids == spec.generate(PROMPTS[0], "autoregressive", max_new_tokens=8).token_ids
+    # a path works wherever a method name does, with parameters on top
+    assert spec.generate(PROMPTS[0], str(path), max_new_tokens=8, num_speculative_tokens=2).method == "anpd"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("not json", "not valid JSON"),
+        ('{"method": "anpd", "params": {}}', "not a speculum config file"),
+        ('{"format": "speculum-config", "version": 9, "method": "anpd", "params": {}}', "version 9"),
+        ('{"format": "speculum-config", "version": 1, "method": "anpd", "params": {"bogus": 1}}', "no parameter"),
+        ('{"format": "speculum-config", "version": 1, "method": "nope", "params": {}}', "unknown method"),
+        ('{"format": "speculum-config", "version": 1, "params": {}}', "needs a"),
+    ],
+)
+def test_bad_config_files_refused(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError, match=match):
+        SpeculativeConfig.from_file(path)
+
+
+def test_config_file_missing_and_unwritable(tmp_path, monkeypatch):
+    with pytest.raises(ConfigFileError, match="cannot read"):
+        SpeculativeConfig.from_file(tmp_path / "missing.json")
+    with pytest.raises(ConfigFileError, match="cannot write"):
+        SpeculativeConfig("anpd").save(tmp_path / "no" / "dir" / "x.json")
+    path = tmp_path / "keep.json"
+    SpeculativeConfig("anpd").save(path)
+    before = path.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("speculum.poolfile.os.replace", broken_replace)
+    with pytest.raises(ConfigFileError, match="No space left"):
+        SpeculativeConfig("prompt_lookup").save(path)
+    assert path.read_bytes() == before  # the old file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.json"]  # no temp file left behind
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+cli = CliRunner()
+
+
+def test_cli_tune_writes_a_config_that_generate_and_bench_accept(tmp_path, model_dir):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS)))
+    out = tmp_path / "tuned.json"
+    res = cli.invoke(
+        app,
+        ["tune", "--method", "anpd", "--model", model_dir, "--dataset", str(questions), "--limit", "2",
+         "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out), "--no-confirm", "--sweeps", "1"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "predicted tok/s" in res.output and out.exists()
+    config = SpeculativeConfig.from_file(out)
+    assert config.method == "anpd" and config.metadata["model"] == model_dir
+    assert config.metadata["tuning"]["prompts"].endswith("x 2")
+    res = cli.invoke(app, ["generate", PROMPTS[0], "--config", str(out), "--max-new-tokens", "6", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
+    from speculum.bench.runner import parse_method_spec
+
+    spec = parse_method_spec(str(out))
+    assert spec.name == "anpd" and spec.params == config.all_params() and spec.label == str(out)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["tune", "--method", "prompt_lookup"], "supports"),
+        (["tune", "--method", "anpd", "--out", "x.txt"], ".json"),
+        (["tune", "--method", "anpd", "--param", "bogus=1"], "no parameter"),
+        (["generate", "hi", "--config", "/no/such.json"], "cannot read"),
+    ],
+)
+def test_cli_tune_and_config_errors(args, match):
+    res = cli.invoke(app, args)
+    assert res.exit_code == 2
+    assert match in res.output
