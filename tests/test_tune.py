@@ -191,3 +191,20 @@ def test_cli_tune_and_config_errors(args, match):
     res = cli.invoke(app, args)
     assert res.exit_code == 2
     assert match in res.output
+
+
+def test_tune_ignores_parameters_that_change_nothing(spec):
+    """With phrase drafting off, W and the draft's guesses do nothing: timing noise must not pick them."""
+    ids = [spec.encode_prompt(p) for p in PROMPTS[:2]]
+    result = tune(
+        spec,
+        "ouroboros",
+        ids,
+        max_new_tokens=10,
+        fixed={"phrase_drafting": False, "context_phrases": False, "num_speculative_tokens": 3},
+        min_gain=0.0,
+        confirm=False,
+    )
+    assert "window_size" not in result.params and "draft_guesses" not in result.params
+    tried = [ev for ev in result.trace if ev.params["window_size"] != 15]
+    assert tried  # they were scored, and refused

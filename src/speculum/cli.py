@@ -185,7 +185,9 @@ def tune(
     param: Annotated[list[str] | None, typer.Option(help="Fix a parameter, key=value (repeatable).")] = None,
     out: Annotated[str | None, typer.Option(help="Write the chosen configuration to this config file (.json).")] = None,
     sweeps: Annotated[int, typer.Option(min=1, help="Most sweeps over the parameters.")] = 3,
-    min_gain: Annotated[float, typer.Option(min=0.0, help="Least relative gain that changes a parameter.")] = 0.02,
+    min_gain: Annotated[
+        float, typer.Option(min=0.0, help="Least predicted relative gain that changes a parameter (timing noise).")
+    ] = 0.05,
     confirm: Annotated[bool, typer.Option(help="Time the choice against plain decoding and the defaults.")] = True,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
