@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", required=True, help="the ouroboros config file the studies vary (speculum tune --out)")
     ap.add_argument("--warm-records", type=Path, help="a bench run on other prompts: its outputs pre-warm the pool")
+    ap.add_argument("--max-new-tokens", type=int, help="replay only the first N tokens of each reference")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -80,6 +81,13 @@ def main() -> None:
     cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: len(typical.reference) // 2])
     per_token = statistics.median((p.plain_time - p.prefill_time) / len(p.reference) for p in everything)
     cost = CostModel([(1, per_token)] + [pt for pt in cost.points if pt[0] > 1])
+    if args.max_new_tokens:  # a greedy output's prefix is the greedy output of a shorter request
+        n = args.max_new_tokens
+        for ps in prompts.values():
+            for p in ps:
+                share = min(n, len(p.reference)) / len(p.reference)
+                p.plain_time = p.prefill_time + (p.plain_time - p.prefill_time) * share
+                p.reference = p.reference[:n]
     warm = read_prompts(args.warm_records)[0] if args.warm_records else {}
     warm_prompts = [p for ps in warm.values() for p in ps]
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -128,7 +136,8 @@ def main() -> None:
         f"- machine: {info['cpu']}, {args.threads} threads; torch {info.get('torch')}, "
         f"transformers {info.get('transformers')}",
         f"- target `{args.model}`, draft `{args.draft}`, dtype {str(spec.model.dtype).replace('torch.', '')}; "
-        f"references: `{args.run}` ({sum(len(v) for v in prompts.values())} prompts)",
+        f"references: `{args.run}` ({sum(len(v) for v in prompts.values())} prompts"
+        + (f", first {args.max_new_tokens} tokens of each)" if args.max_new_tokens else ")"),
         f"- tuned configuration (`{args.config}`): {', '.join(f'{k}={v}' for k, v in tuned.items())}",
         "- t(K) used: " + ", ".join(f"K={k} {t * 1000:.0f} ms" for k, t in cost.points),
         "- cells: predicted speedup over plain decoding / mean acceptance length (tokens per target forward)",
@@ -165,7 +174,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
         width = 0.8 / len(table)
         for i, (label, cells) in enumerate(table.items()):
             xs = [j + i * width for j in range(len(sets))]
@@ -174,9 +183,11 @@ def main() -> None:
         ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
         ax1.set_ylabel("predicted speedup over plain decoding")
         ax1.set_title("Ablation: components added one by one")
-        ax1.legend(fontsize=7)
+        ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
         for s in sets:
             ax2.plot(K_VALUES, [ksweep[k][s][0] for k in K_VALUES], marker="o", label=s)
+        ax2.axhline(1.0, color="black", linewidth=0.8)
+        ax2.set_ylim(bottom=0)
         ax2.set_xlabel("K (phrases lengthening each draft)")
         ax2.set_ylabel("predicted speedup")
         ax2.set_title("K sweep")

@@ -175,3 +175,37 @@ def test_lazy_head_lossless(arch_setup):
         assert out == ref
         out, _ = gen(model, prompt, build_drafter("lookahead", window_size=3, ngram_size=3), NEW, lazy_head=True)
         assert out == ref
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ouroboros"])
+def test_specdecpp_and_oracle_policies(arch_setup, method, tmp_path):
+    """SpecDec++ (an untrained head: its stops are arbitrary, the output must not care) and the oracle,
+    which must stop exactly before the first rejection: every drafted token accepted."""
+    from speculum.acceptance_head import AcceptanceHead, draft_fingerprint, draft_hidden_size
+
+    _, model, refs = arch_setup
+    draft = perturbed_copy(model, scale=0.4)
+    torch.manual_seed(0)
+    head = AcceptanceHead(draft_hidden_size(draft), 2, draft_fingerprint(draft))
+    head.save(tmp_path / "head")
+    extra = OUROBOROS_SMALL if method == "ouroboros" else {}
+    params = {**extra, "num_speculative_tokens": 6, "length_policy": "specdecpp", "stop_threshold": 0.5}
+    params["acceptance_head"] = str(tmp_path / "head")
+    stats = _check(model, refs, lambda ref: build_drafter(method, draft, VOCAB, **params))
+    assert stats.drafted_tokens > 0
+
+    def oracle(ref, prompt):
+        params = {**extra, "num_speculative_tokens": 6, "length_policy": "oracle"}
+        drafter = build_drafter(method, draft, VOCAB, **params)
+        drafter.policy.set_reference(prompt + ref)
+        return drafter
+
+    chain_drafted = 0
+    for prompt, ref in zip(prompts(), refs, strict=True):
+        drafter = oracle(ref, prompt)
+        out, stats = generate_ids(model, prompt, drafter, NEW)
+        assert out == ref
+        if method == "draft_model":  # (ouroboros' phrases below the chain may still be cut)
+            assert stats.accepted_tokens == stats.drafted_tokens
+        chain_drafted += stats.drafted_tokens
+    assert chain_drafted > 0

@@ -2,6 +2,8 @@
 
 from speculum.api import GenerationResult, GenerationStream, Speculum, StreamChunk, load
 from speculum.errors import (
+    CheckpointError,
+    ConfigFileError,
     IncompatibleDraftError,
     InvalidInputError,
     ModelLoadError,
@@ -17,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "CheckpointError",
+    "ConfigFileError",
     "GenerationResult",
     "GenerationStream",
     "IncompatibleDraftError",

@@ -27,3 +27,7 @@ class PoolFileError(SpeculumError):
 
 class ConfigFileError(InvalidInputError):
     """A method config file (``speculum tune --out``) that cannot be read or is not one."""
+
+
+class CheckpointError(SpeculumError):
+    """A trained head checkpoint that is corrupt, half-written, or belongs to another model."""

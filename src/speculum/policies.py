@@ -15,7 +15,7 @@ import torch
 
 from speculum.errors import InvalidInputError
 
-POLICIES = ("fixed", "heuristic", "confidence")
+POLICIES = ("fixed", "heuristic", "confidence", "specdecpp", "oracle")
 
 
 @dataclass
@@ -48,10 +48,18 @@ class LengthPolicy:
     def reset(self) -> None:
         self.length = self.initial
 
+    def begin_round(self, tokens: list[int]) -> None:
+        """A new round drafts after ``tokens`` (every committed token)."""
+
     def budget(self, max_depth: int) -> int:
         return min(self.length, max_depth)
 
+    def stop_before(self, step: DraftStep) -> bool:
+        """Whether to end the draft without ``step.token`` (checked before it is kept)."""
+        return False
+
     def should_stop(self, step: DraftStep) -> bool:
+        """Whether to end the draft after ``step.token`` (which is kept)."""
         return False
 
     def update(self, accepted: int, drafted: int) -> None:
@@ -88,7 +96,79 @@ class ConfidenceStop(LengthPolicy):
         return step.confidence < self.threshold
 
 
-def make_policy(name: str, num_speculative_tokens: int, confidence_threshold: float = 0.4) -> LengthPolicy:
+class SpecDecPPStop(LengthPolicy):
+    """SpecDec++: stop when a trained head says the draft has probably been rejected somewhere.
+
+    The head reads the draft's hidden state at the position whose input is candidate i and predicts
+    P(candidate i accepted | the earlier ones were). After each drafted token the running product
+    of those predictions is the chance that the whole draft so far passes; the draft ends as soon
+    as 1 - product > ``threshold`` (the paper's h), never before ``min_tokens`` and never beyond
+    ``num_speculative_tokens``. As in the paper, the token drafted when the rule fires is kept
+    unscored (its own prediction would need one more draft forward).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, num_speculative_tokens: int, head=None, threshold: float = 0.7, min_tokens: int = 2):
+        super().__init__(num_speculative_tokens)
+        if not 0.0 < threshold < 1.0:
+            raise InvalidInputError(f"stop_threshold must be in (0, 1), got {threshold!r}")
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
+            raise InvalidInputError(f"min_draft_tokens must be an integer >= 1, got {min_tokens!r}")
+        self.head = head
+        self.threshold = threshold
+        self.min_tokens = min_tokens
+        self.passes = 1.0  # predicted P(every candidate so far accepted)
+
+    def begin_round(self, tokens: list[int]) -> None:
+        self.passes = 1.0
+
+    def should_stop(self, step: DraftStep) -> bool:
+        if step.position == 0 or step.hidden is None:
+            return False  # the first forward's input is the last committed token, not a candidate
+        self.passes *= float(self.head.accept_probability(step.hidden))
+        return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
+
+
+class OracleStop(LengthPolicy):
+    """For analysis only: stop exactly before the first token the target would reject (SpecDec++'s
+    Lemma 2.1), read from a recorded greedy output set with :meth:`set_reference`. The best any
+    stopping rule can do with this draft; without a reference it drafts ``num_speculative_tokens``."""
+
+    def __init__(self, num_speculative_tokens: int):
+        super().__init__(num_speculative_tokens)
+        self.reference: list[int] = []
+        self.round_start = 0
+
+    def set_reference(self, sequence: list[int]) -> None:
+        """The prompt followed by the target's greedy output."""
+        self.reference = list(sequence)
+
+    def begin_round(self, tokens: list[int]) -> None:
+        same = len(tokens) <= len(self.reference) and self.reference[: len(tokens)] == list(tokens)
+        self.round_start = len(tokens) if same else -1
+
+    def stop_before(self, step: DraftStep) -> bool:
+        if self.round_start < 0:
+            return False
+        at = self.round_start + step.position
+        return at >= len(self.reference) or self.reference[at] != step.token
+
+
+def make_policy(
+    name: str,
+    num_speculative_tokens: int,
+    confidence_threshold: float = 0.4,
+    *,
+    head=None,
+    stop_threshold: float = 0.7,
+    min_draft_tokens: int = 2,
+) -> LengthPolicy:
+    """The policy ``name``; ``head`` (an AcceptanceHead) is what ``specdecpp`` reads."""
+    if name == "specdecpp":
+        return SpecDecPPStop(num_speculative_tokens, head, stop_threshold, min_draft_tokens)
+    if name == "oracle":
+        return OracleStop(num_speculative_tokens)
     if name == "fixed":
         return FixedLength(num_speculative_tokens)
     if name == "heuristic":
@@ -96,3 +176,37 @@ def make_policy(name: str, num_speculative_tokens: int, confidence_threshold: fl
     if name == "confidence":
         return ConfidenceStop(num_speculative_tokens, confidence_threshold)
     raise InvalidInputError(f"unknown length policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def check_policy_options(options) -> None:
+    """Validate a drafter's length-policy options (``length_policy``, ``num_speculative_tokens``,
+    ``confidence_threshold``, ``stop_threshold``, ``min_draft_tokens``, ``acceptance_head``)."""
+    make_policy(
+        options.length_policy,
+        options.num_speculative_tokens,
+        options.confidence_threshold,
+        stop_threshold=options.stop_threshold,
+        min_draft_tokens=options.min_draft_tokens,
+    )
+    if options.length_policy == "specdecpp" and options.acceptance_head is None:
+        raise InvalidInputError(
+            "length_policy='specdecpp' needs acceptance_head=PATH (a checkpoint from `speculum train acceptance-head`)"
+        )
+
+
+def policy_for(options, draft_model) -> LengthPolicy:
+    """The length policy a drafter's options ask for; ``specdecpp`` loads its head for ``draft_model``."""
+    head = None
+    if options.length_policy == "specdecpp":
+        from speculum.acceptance_head import AcceptanceHead
+
+        head = AcceptanceHead.load(options.acceptance_head, draft_model=draft_model)
+        head.to(next(draft_model.parameters()).device)
+    return make_policy(
+        options.length_policy,
+        options.num_speculative_tokens,
+        options.confidence_threshold,
+        head=head,
+        stop_threshold=options.stop_threshold,
+        min_draft_tokens=options.min_draft_tokens,
+    )

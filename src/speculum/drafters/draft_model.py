@@ -21,18 +21,21 @@ import torch
 
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.errors import InvalidInputError
-from speculum.policies import DraftStep, make_policy
+from speculum.policies import DraftStep, check_policy_options, policy_for
 from speculum.sampling import sample, warp
 
 
 @dataclass
 class Options:
     num_speculative_tokens: int = 5
-    length_policy: str = "heuristic"  # fixed | heuristic | confidence
+    length_policy: str = "heuristic"  # fixed | heuristic | confidence | specdecpp | oracle (analysis only)
     confidence_threshold: float = 0.4  # only for length_policy="confidence"
+    acceptance_head: str | None = None  # length_policy="specdecpp": a trained head's checkpoint directory
+    stop_threshold: float = 0.7  # specdecpp: stop when P(some candidate rejected) exceeds this (h)
+    min_draft_tokens: int = 2  # specdecpp: never stop before this many tokens
 
     def __post_init__(self) -> None:
-        make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
+        check_policy_options(self)
 
 
 class DraftModelState:
@@ -84,7 +87,7 @@ class DraftModelDrafter(Drafter):
         self.runner = resources.runner(resources.draft_model)
         self.state = DraftModelState(self.runner, resources.draft_model)
         self.vocab_size = resources.vocab_size  # the target's: draft distributions are fitted to it
-        self.policy = make_policy(options.length_policy, options.num_speculative_tokens, options.confidence_threshold)
+        self.policy = policy_for(options, resources.draft_model)
         self._forwards = 0
 
     @property
@@ -115,6 +118,7 @@ class DraftModelDrafter(Drafter):
         return torch.cat([logits, pad])
 
     def propose(self, ctx: DraftContext) -> Draft | None:
+        self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
@@ -129,14 +133,19 @@ class DraftModelDrafter(Drafter):
                 token = int(logits.argmax())
             else:
                 dist = warp(logits, ctx.sampling)[0]
-                probs.append(dist)
                 token = sample(dist, ctx.generator)
+            if self.policy.stop_before(DraftStep(len(tokens), token, logits, dist, hidden)):
+                break
+            if dist is not None:
+                probs.append(dist)
             tokens.append(token)
             if len(tokens) >= budget or token in ctx.eos_token_ids:
                 break
             if self.policy.should_stop(DraftStep(len(tokens) - 1, token, logits, dist, hidden)):
                 break
             logits, hidden = self._forward([token], ctx)
+        if not tokens:
+            return None
         return Draft.chain(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:

@@ -50,7 +50,7 @@ from speculum.drafters.draft_model import DraftModelState
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
-from speculum.policies import DraftStep, make_policy
+from speculum.policies import DraftStep, check_policy_options, policy_for
 from speculum.runner import LazyLogits
 from speculum.tree import TokenTree
 
@@ -62,8 +62,11 @@ class Options:
     """Parameters of the ``ouroboros`` method; defaults are the authors' Spec-Bench settings."""
 
     num_speculative_tokens: int = 6  # γ: draft tokens per round (before lengthening); the most a policy may use
-    length_policy: str = "fixed"  # fixed (the paper) | heuristic | confidence: how far each round drafts
+    length_policy: str = "fixed"  # fixed (the paper) | heuristic | confidence | specdecpp | oracle (analysis)
     confidence_threshold: float = 0.4  # only for length_policy="confidence"
+    acceptance_head: str | None = None  # length_policy="specdecpp": a trained head's checkpoint directory
+    stop_threshold: float = 0.7  # specdecpp: stop when P(some candidate rejected) exceeds this (h)
+    min_draft_tokens: int = 2  # specdecpp: never stop before this many tokens
     window_size: int = 15  # W: the draft's Jacobi window (0: phrase drafting guesses from the pool only)
     ngram_size: int = 5  # N: phrases are N - 1 tokens after their key token
     num_phrase_candidates: int = 3  # K: phrases lengthening each draft
@@ -94,7 +97,7 @@ class Options:
             check_options("ouroboros", self, {"draft_guesses": 0})
         if self.pool_path is not None and not self.reuse_history:
             raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
-        make_policy(self.length_policy, self.num_speculative_tokens, self.confidence_threshold)
+        check_policy_options(self)
 
     @property
     def phrase_length(self) -> int:
@@ -117,7 +120,7 @@ class OuroborosDrafter(Drafter):
         # its LM head runs on those rows only.
         self.runner = resources.runner(resources.draft_model, lazy_head=True)
         self.state = DraftModelState(self.runner, resources.draft_model)
-        self.policy = make_policy(options.length_policy, options.num_speculative_tokens, options.confidence_threshold)
+        self.policy = policy_for(options, resources.draft_model)
         self.vocab_size = resources.vocab_size
         self.model_key = resources.model_key
         self.window = JacobiWindow(options.window_size, options.phrase_length)
@@ -169,6 +172,7 @@ class OuroborosDrafter(Drafter):
         self._context_done = max(self._context_done, len(tokens) - length)
 
     def propose(self, ctx: DraftContext) -> Draft | None:
+        self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
@@ -181,6 +185,9 @@ class OuroborosDrafter(Drafter):
             for token, logits, hidden in self._draft_step(forced):
                 if self.vocab_size is not None and token >= self.vocab_size:
                     stop = True  # a draft-only id the target cannot verify
+                    break
+                if self.policy.stop_before(DraftStep(len(chain), token, logits, None, hidden)):
+                    stop = True
                     break
                 chain.append(token)
                 if token in ctx.eos_token_ids or len(chain) >= budget:

@@ -1,0 +1,155 @@
+"""SpecDec++'s acceptance-prediction head (Huang, Guo, Wang 2024) and its checkpoint files.
+
+The head reads the draft model's last hidden state at the position whose input is a drafted token
+and predicts the probability that the target accepts that token (given the earlier ones were
+accepted). Architecture: D residual blocks ``x + SiLU(Linear(x))`` with their own weights (the
+reference code builds its list by multiplying a one-element list, so its blocks share one set of
+weights: a bug we do not copy), then ``Linear(H, 1)``; sigmoid of the output = P(accept).
+
+A checkpoint is a directory with ``acceptance_head.safetensors`` and ``config.json``. The config
+names the draft model it was trained on (a fingerprint of its shape and a few of its weights),
+so a head is refused on another draft with a clear error. Both files are written atomically and
+the config, written last, records the weights' SHA-256: a half-written pair is detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from speculum.errors import CheckpointError
+
+FORMAT = "speculum-acceptance-head"
+VERSION = 1
+WEIGHTS = "acceptance_head.safetensors"
+CONFIG = "config.json"
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class AcceptanceHead(nn.Module):
+    """(D+1)-layer residual MLP over a hidden state; ``forward`` gives the logit of P(accept)."""
+
+    def __init__(self, hidden_size: int, depth: int = 3, draft_fingerprint: str = ""):
+        super().__init__()
+        if not isinstance(hidden_size, int) or hidden_size < 1 or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"bad head shape: hidden_size={hidden_size!r}, depth={depth!r}")
+        self.hidden_size = hidden_size
+        self.depth = depth
+        self.draft_fingerprint = draft_fingerprint
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(depth))  # independent weights
+        self.out = nn.Linear(hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.to(self.out.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+    @torch.inference_mode()
+    def accept_probability(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self(hidden.to(self.out.weight.device)))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | os.PathLike[str], *, training: dict[str, Any] | None = None) -> None:
+        """Write ``directory``/acceptance_head.safetensors and config.json (each atomically)."""
+        from safetensors.torch import save
+
+        from speculum.poolfile import write_atomic
+
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
+        blob = save(state)
+        write_atomic(directory / WEIGHTS, blob, what="checkpoint file", error=CheckpointError)
+        config = {
+            "format": FORMAT,
+            "version": VERSION,
+            "hidden_size": self.hidden_size,
+            "depth": self.depth,
+            "draft_fingerprint": self.draft_fingerprint,
+            "weights_sha256": hashlib.sha256(blob).hexdigest(),
+            "training": training or {},
+        }
+        data = (json.dumps(config, indent=2) + "\n").encode()
+        write_atomic(directory / CONFIG, data, what="checkpoint file", error=CheckpointError)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], *, draft_model: nn.Module | None = None) -> AcceptanceHead:
+        """Read a checkpoint; with ``draft_model``, refuse a head trained for another draft."""
+        from safetensors.torch import load
+
+        directory = Path(directory)
+        where = str(directory)
+        try:
+            config = json.loads((directory / CONFIG).read_text())
+            blob = (directory / WEIGHTS).read_bytes()
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{where!r} is not an acceptance-head checkpoint (missing {exc.filename})") from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read acceptance-head checkpoint {where!r}: {exc}") from None
+        if not isinstance(config, dict) or config.get("format") != FORMAT or config.get("version") != VERSION:
+            raise CheckpointError(f"{where!r} is not a version-{VERSION} acceptance-head checkpoint")
+        if hashlib.sha256(blob).hexdigest() != config.get("weights_sha256"):
+            raise CheckpointError(f"acceptance-head checkpoint {where!r} is corrupt (weights do not match config)")
+        head = cls(int(config["hidden_size"]), int(config["depth"]), str(config.get("draft_fingerprint", "")))
+        try:
+            head.load_state_dict(load(blob))
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"acceptance-head checkpoint {where!r} does not fit its config: {exc}") from None
+        head.training_info = config.get("training", {})
+        if draft_model is not None:
+            head.check_draft(draft_model, where)
+        return head.eval()
+
+    def check_draft(self, draft_model: nn.Module, where: str = "the acceptance head") -> None:
+        hidden = draft_hidden_size(draft_model)
+        if hidden != self.hidden_size:
+            raise CheckpointError(
+                f"{where} reads hidden states of size {self.hidden_size}, the draft model's are {hidden}"
+            )
+        if self.draft_fingerprint and self.draft_fingerprint != draft_fingerprint(draft_model):
+            raise CheckpointError(f"{where} was trained for another draft model (fingerprint mismatch)")
+
+
+def draft_hidden_size(model: nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.hidden_size)
+
+
+@torch.no_grad()
+def draft_fingerprint(model: nn.Module) -> str:
+    """Identifies a draft model: its architecture and shape, and a sample of its weights (so another
+    checkpoint of the same architecture, or ``self:N`` with another N, does not pass)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    h = hashlib.sha256()
+    for name in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
+        h.update(f"{name}={getattr(config, name, None)}\n".encode())
+    params = [p for p in model.parameters() if p.dim() >= 1]
+    for p in (params[0], params[len(params) // 2], params[-1]):
+        h.update(p.reshape(-1)[:256].float().cpu().numpy().tobytes())
+    h.update(f"layers={_layer_count(model)}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _layer_count(model: nn.Module) -> int:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    return len(layers) if layers is not None else -1

@@ -1,0 +1,118 @@
+"""SpecDec++: the acceptance head, its checkpoints, the stop rule and the oracle policy."""
+
+import json
+
+import pytest
+import torch
+
+from speculum.acceptance_head import WEIGHTS, AcceptanceHead, draft_fingerprint, draft_hidden_size
+from speculum.errors import CheckpointError, InvalidInputError
+from speculum.policies import DraftStep, OracleStop, SpecDecPPStop, make_policy
+
+from helpers import build_drafter
+from tiny_models import VOCAB, perturbed_copy, tiny_model
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return perturbed_copy(tiny_model("llama"), scale=0.4)
+
+
+def test_head_shapes_and_independent_blocks():
+    head = AcceptanceHead(16, depth=3)
+    assert head(torch.randn(5, 16)).shape == (5,)
+    assert head(torch.randn(16)).shape == ()
+    assert 0.0 < float(head.accept_probability(torch.randn(16))) < 1.0
+    weights = [b.linear.weight for b in head.blocks]
+    assert len({w.data_ptr() for w in weights}) == 3  # not one block applied three times
+    assert len(head.blocks) == 3 and sum(isinstance(m, torch.nn.Linear) for m in head.modules()) == 4  # D + 1
+    assert AcceptanceHead(16, depth=0)(torch.randn(2, 16)).shape == (2,)
+
+
+def test_checkpoint_round_trip(tmp_path, draft):
+    head = AcceptanceHead(draft_hidden_size(draft), 2, draft_fingerprint(draft))
+    head.save(tmp_path / "h", training={"steps": 3})
+    again = AcceptanceHead.load(tmp_path / "h", draft_model=draft)
+    x = torch.randn(4, head.hidden_size)
+    assert torch.equal(head(x), again(x))
+    assert again.training_info == {"steps": 3} and again.depth == 2
+
+
+def test_checkpoint_refusals(tmp_path, draft):
+    head = AcceptanceHead(draft_hidden_size(draft), 1, draft_fingerprint(draft))
+    head.save(tmp_path / "h")
+    other = perturbed_copy(tiny_model("llama"), scale=0.9, seed=7)
+    with pytest.raises(CheckpointError, match="another draft"):
+        AcceptanceHead.load(tmp_path / "h", draft_model=other)
+    with pytest.raises(CheckpointError, match="hidden states of size"):
+        AcceptanceHead(8, 1).check_draft(draft)
+    with pytest.raises(CheckpointError, match="missing"):
+        AcceptanceHead.load(tmp_path / "nothing")
+    blob = bytearray((tmp_path / "h" / WEIGHTS).read_bytes())
+    blob[-1] ^= 0xFF
+    (tmp_path / "h" / WEIGHTS).write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        AcceptanceHead.load(tmp_path / "h")
+    (tmp_path / "h" / "config.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(CheckpointError, match="not a version"):
+        AcceptanceHead.load(tmp_path / "h")
+
+
+def test_self_draft_layers_change_the_fingerprint():
+    from speculum.models import make_self_draft
+
+    target = tiny_model("llama")
+    assert draft_fingerprint(make_self_draft(target, 1)) != draft_fingerprint(target)
+
+
+class ConstantHead:
+    def __init__(self, p):
+        self.p = p
+
+    def accept_probability(self, hidden):
+        return torch.tensor(self.p)
+
+
+def _step(position, token=5):
+    return DraftStep(position, token, torch.zeros(VOCAB), None, torch.zeros(4))
+
+
+def test_specdecpp_stop_rule():
+    policy = SpecDecPPStop(10, ConstantHead(0.5), threshold=0.7, min_tokens=1)
+    policy.begin_round([1, 2])
+    assert not policy.should_stop(_step(0))  # the first forward's input is not a candidate
+    assert not policy.should_stop(_step(1))  # 1 - 0.5 = 0.5
+    assert policy.should_stop(_step(2))  # 1 - 0.25 = 0.75 > 0.7
+    policy.begin_round([1, 2, 3])  # a new round starts from certainty again
+    assert not policy.should_stop(_step(0)) and not policy.should_stop(_step(1))
+    late = SpecDecPPStop(10, ConstantHead(0.1), threshold=0.5, min_tokens=4)
+    assert [late.should_stop(_step(i)) for i in range(5)] == [False, False, False, True, True]
+    assert late.budget(3) == 3 and late.budget(50) == 10
+    assert SpecDecPPStop(10, ConstantHead(1.0)).needs_hidden
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"stop_threshold": 1.0}, "stop_threshold"), ({"min_draft_tokens": 0}, "min_draft_tokens")],
+)
+def test_specdecpp_bad_values(kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        make_policy("specdecpp", 5, **kwargs)
+
+
+def test_specdecpp_needs_a_head(draft, tmp_path):
+    with pytest.raises(InvalidInputError, match="acceptance_head"):
+        build_drafter("draft_model", draft, VOCAB, length_policy="specdecpp")
+    with pytest.raises(CheckpointError):
+        build_drafter("draft_model", draft, VOCAB, length_policy="specdecpp", acceptance_head=str(tmp_path / "none"))
+
+
+def test_oracle_stops_before_the_first_token_off_the_reference():
+    policy = OracleStop(8)
+    policy.set_reference([1, 2, 3, 4, 5, 6])
+    policy.begin_round([1, 2, 3])
+    assert not policy.stop_before(_step(0, token=4)) and not policy.stop_before(_step(1, token=5))
+    assert policy.stop_before(_step(2, token=9))  # the reference says 6
+    assert policy.stop_before(_step(3, token=7))  # past the end of the reference
+    policy.begin_round([1, 9])  # off the reference: no information, no stop
+    assert not policy.stop_before(_step(0, token=3))
