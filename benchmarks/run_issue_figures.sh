@@ -35,3 +35,18 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $COMMON --l
   --methods "autoregressive,draft_model,draft_model:length_policy=fixed,num_speculative_tokens=4,ouroboros:num_speculative_tokens=4,phrase_drafting=false,lookahead:window_size=4,ngram_size=4,guess_set_size=4" \
   --out $OUT/qwen-issue7
 python benchmarks/near_ties.py $OUT/qwen-issue7 --model qwen2.5-coder-1.5b --dtype bfloat16
+
+# Issue #7, second pass: Ouroboros tuned on MBPP with `speculum tune` (writes the config file the
+# report run reads), then the 128-token report run, then the replay studies on its references.
+# The MBPP exploration run (its outputs also pre-warm the pool in the warm/cold study):
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mbpp --limit 4 \
+  --max-new-tokens 64 --methods "autoregressive,draft_model:length_policy=fixed,num_speculative_tokens=4,ouroboros:num_speculative_tokens=4,phrase_drafting=false,ouroboros:num_speculative_tokens=4,phrase_drafting=false,context_phrases=true,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,ouroboros:num_speculative_tokens=6,window_size=0,draft_guesses=2,context_phrases=true" \
+  --out $OUT/tune3
+speculum tune --method ouroboros --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dataset mbpp --limit 5 \
+  --max-new-tokens 64 --threads 2 --sweeps 2 --out benchmarks/results/ouroboros-qwen-tuned.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $COMMON --limit 5 --max-new-tokens 128 \
+  --methods "autoregressive,draft_model,draft_model:length_policy=fixed,num_speculative_tokens=4,benchmarks/results/ouroboros-qwen-tuned.json,lookahead:window_size=4,ngram_size=4,guess_set_size=4" \
+  --out $OUT/qwen-issue7-128
+python benchmarks/ouroboros_studies.py $OUT/qwen-issue7-128 --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --config benchmarks/results/ouroboros-qwen-tuned.json --warm-records $OUT/tune3 --max-new-tokens 64 \
+  --out benchmarks/results/ouroboros-studies.md --plot benchmarks/plots/ouroboros_studies.png

@@ -136,15 +136,19 @@ def draft_hidden_size(model: nn.Module) -> int:
 
 @torch.no_grad()
 def draft_fingerprint(model: nn.Module) -> str:
-    """Identifies a draft model: its architecture and shape, and a sample of its weights (so another
-    checkpoint of the same architecture, or ``self:N`` with another N, does not pass)."""
+    """Identifies a draft model: its architecture and shape, its layer count (``self:N`` with another
+    N does not pass) and a sample of its weights (nor does another checkpoint of the same shape)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     h = hashlib.sha256()
     for name in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
         h.update(f"{name}={getattr(config, name, None)}\n".encode())
-    params = [p for p in model.parameters() if p.dim() >= 1]
-    for p in (params[0], params[len(params) // 2], params[-1]):
-        h.update(p.reshape(-1)[:256].float().cpu().numpy().tobytes())
+    # weights that prepacking (speculum.accel) leaves alone: embedding rows and the final norm
+    embeddings = model.get_input_embeddings().weight
+    step = max(1, embeddings.shape[0] // 8)
+    h.update(embeddings[::step][:8, :64].float().cpu().numpy().tobytes())
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        h.update(norm.weight.reshape(-1)[:256].float().cpu().numpy().tobytes())
     h.update(f"layers={_layer_count(model)}\n".encode())
     return h.hexdigest()[:32]
 

@@ -294,6 +294,75 @@ def _now() -> str:
     return now_iso()
 
 
+train_app = typer.Typer(no_args_is_help=True, help="Train the parts some methods learn (acceptance heads).")
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("acceptance-head")
+def train_acceptance_head(
+    draft: Annotated[str, typer.Option(help="The draft model the head reads (a model or self:N).")],
+    out: Annotated[str, typer.Option(help="Checkpoint directory (also caches the training data).")],
+    model: Annotated[str, typer.Option(help="Target model.")] = "gemma-3-270m",
+    texts: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated text sources: mbpp, humaneval, gsm8k, mt_bench, wmt16, stdlib, sliced like "
+            "gsm8k[100:], or paths. Keep the prompts you report on out."
+        ),
+    ] = "mbpp,gsm8k[100:],wmt16[100:],stdlib[:40]",
+    max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, help="The inference temperature the labels are for.")] = 0.0,
+    mixing_ratio: Annotated[float, typer.Option(min=0.0, max=0.99, help="Share r keeping the target token.")] = 0.15,
+    depth: Annotated[int, typer.Option(min=0, help="Residual blocks D.")] = 3,
+    w_rej: Annotated[float, typer.Option(min=0.0, help="Loss weight of rejections.")] = 6.0,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 256,
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="Where the head trains: cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Models' dtype for the data pass.")] = "auto",
+    threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
+    regenerate: Annotated[bool, typer.Option(help="Remake the cached training data.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+) -> None:
+    """Train SpecDec++'s acceptance head for a target/draft pair (teacher-forced data, weighted BCE)."""
+    from pathlib import Path
+
+    import torch
+
+    import speculum
+    from speculum.training import acceptance
+    from speculum.training.texts import training_texts
+
+    try:
+        sources = training_texts(texts)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            fail(f"--device {device}: no CUDA device here")
+        with err.status(f"loading {model} + {draft}"):
+            spec = speculum.load(model, draft, dtype=dtype, prepack=False)
+        data_settings = acceptance.DataSettings(max_tokens, temperature, 1.0, 0, mixing_ratio, seed)
+        train_settings = acceptance.TrainSettings(depth, w_rej, epochs, lr, batch_size, 0.1, seed)
+        acceptance.run(
+            spec,
+            sources,
+            Path(out),
+            data_settings,
+            train_settings,
+            device=device,
+            regenerate=regenerate,
+            resume=resume,
+            log=lambda line: err.print(line, highlight=False),
+        )
+    except SpeculumError as error:
+        fail(str(error))
+    Console().print(
+        f"use it: speculum generate PROMPT --model {model} --draft {draft} --method draft_model "
+        f"--param length_policy=specdecpp --param acceptance_head={out} --param num_speculative_tokens=20"
+    )
+
+
 def _register_bench() -> None:
     from speculum.bench.command import bench
 

@@ -1,0 +1,1 @@
+"""Training pipelines for trained drafting parts (acceptance heads; later CTC drafters and Medusa heads)."""

@@ -1,0 +1,115 @@
+"""Text to train heads on without generating with the target (slow on a CPU).
+
+A source is named like a prompt set, optionally sliced: ``mbpp``, ``gsm8k[100:]``, ``wmt16[50:150]``,
+``mt_bench[40:]``, ``humaneval``, ``stdlib[:60]`` (the Python standard library's own source files),
+or a path (a ``.jsonl`` question file, a text/source file, or a directory of them). Each text is an
+(instruction, response) pair where the set ships answers (MBPP code, GSM8K solutions, HumanEval
+canonical solutions, WMT16 reference translations); heads learn only on the response part, laid
+out with the target's chat template where it has one, as at inference. Slices keep training
+text away from the prompts a report measures (the report runs use the first prompts of each set).
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from speculum.bench.datasets import GSM8K_INSTRUCTION, _read_jsonl, _vendored
+from speculum.errors import InvalidInputError
+
+_SLICE = re.compile(r"^(?P<name>[^\[]+)(?:\[(?P<start>-?\d*):(?P<stop>-?\d*)\])?$")
+NAMED = ("mbpp", "humaneval", "gsm8k", "mt_bench", "wmt16", "stdlib")
+
+
+@dataclass
+class TrainingText:
+    source: str
+    instruction: str  # "" for plain text (source files): everything is response
+    response: str
+
+
+def _named(name: str) -> list[TrainingText]:
+    if name == "mbpp":
+        return [TrainingText(name, r["text"], r["code"].replace("\r\n", "\n")) for r in _vendored("mbpp.jsonl")]
+    if name == "humaneval":
+        rows = _vendored("humaneval.jsonl")
+        return [TrainingText(name, "", r["prompt"] + r.get("canonical_solution", "")) for r in rows]
+    if name == "gsm8k":
+        return [
+            TrainingText(name, f"{GSM8K_INSTRUCTION}\n\n{r['question']}", r["answer"])
+            for r in _vendored("gsm8k_test_part1.jsonl")
+        ]
+    if name == "mt_bench":  # questions only (no reference answers ship): text, not responses
+        return [TrainingText(name, "", "\n\n".join(r["turns"])) for r in _vendored("mt_bench_questions.jsonl")]
+    if name == "wmt16":
+        return [
+            TrainingText(name, f"Translate German to English: {r['de']}", r["en"])
+            for r in _vendored("wmt16_deen_sample.jsonl")
+        ]
+    if name == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return [TrainingText(f"stdlib/{p.name}", "", p.read_text(errors="replace")) for p in sorted(root.glob("*.py"))]
+    raise AssertionError(name)
+
+
+def _path(path: Path) -> list[TrainingText]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".txt", ".md") and p.is_file())
+        return [TrainingText(str(p), "", p.read_text(errors="replace")) for p in files]
+    if path.suffix == ".jsonl":
+        out = []
+        for r in _read_jsonl(path):
+            turns = r.get("turns")
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise InvalidInputError(f"{path}: every line needs a 'turns' list of strings")
+            out.append(TrainingText(path.stem, "", "\n\n".join(turns)))
+        return out
+    return [TrainingText(str(path), "", path.read_text(errors="replace"))]
+
+
+def training_texts(sources: list[str] | str) -> list[TrainingText]:
+    """Every text of ``sources`` (names, sliced names or paths; a comma-separated string works too)."""
+    if isinstance(sources, str):
+        sources = [s for s in sources.split(",") if s.strip()]
+    if not sources:
+        raise InvalidInputError("no training text sources given")
+    texts: list[TrainingText] = []
+    for source in sources:
+        source = source.strip()
+        match = _SLICE.match(source)
+        name = match.group("name") if match else source
+        if name in NAMED:
+            items = _named(name)
+        elif Path(name).exists():
+            items = _path(Path(name))
+        else:
+            raise InvalidInputError(
+                f"unknown text source {source!r}: use one of {', '.join(NAMED)} (optionally sliced, "
+                "e.g. gsm8k[100:]) or an existing path"
+            )
+        if match and (match.group("start") or match.group("stop")):
+            start = int(match.group("start")) if match.group("start") else None
+            stop = int(match.group("stop")) if match.group("stop") else None
+            items = items[start:stop]
+        texts.extend(t for t in items if t.response.strip())
+    if not texts:
+        raise InvalidInputError(f"the sources {sources} hold no text")
+    return texts
+
+
+def encode(tokenizer, text: TrainingText, max_tokens: int) -> tuple[list[int], int]:
+    """Token ids of ``text`` laid out as at inference (chat template when there is an instruction and
+    the tokenizer has one) and the index where the response starts; cut to ``max_tokens``."""
+    if text.instruction and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text.instruction}]
+        head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    elif text.instruction:
+        prompt_ids = tokenizer(text.instruction + "\n", add_special_tokens=True)["input_ids"]
+    else:
+        prompt_ids = tokenizer("", add_special_tokens=True)["input_ids"]
+    response_ids = tokenizer(text.response, add_special_tokens=False)["input_ids"]
+    ids = list(prompt_ids) + list(response_ids)
+    return ids[:max_tokens], min(len(prompt_ids), max_tokens)
