@@ -208,3 +208,14 @@ def test_tune_ignores_parameters_that_change_nothing(spec):
     assert "window_size" not in result.params and "draft_guesses" not in result.params
     tried = [ev for ev in result.trace if ev.params["window_size"] != 15]
     assert tried  # they were scored, and refused
+
+
+def test_saved_files_get_the_usual_permissions(tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        SpeculativeConfig("anpd").save(tmp_path / "c.json")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "c.json").stat().st_mode & 0o777 == 0o644

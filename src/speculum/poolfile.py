@@ -68,6 +68,9 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *, what: str = "file
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp makes it 0600; a saved file gets the usual mode
         os.replace(tmp_name, path)
         tmp_name = None
     except OSError as exc:
