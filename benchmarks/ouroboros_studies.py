@@ -79,8 +79,7 @@ def main() -> None:
     everything = [p for ps in prompts.values() for p in ps]
     typical = sorted(everything, key=lambda p: len(p.ids))[len(everything) // 2]
     cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: len(typical.reference) // 2])
-    per_token = statistics.median((p.plain_time - p.prefill_time) / len(p.reference) for p in everything)
-    cost = CostModel([(1, per_token)] + [pt for pt in cost.points if pt[0] > 1])
+    cost = cost.with_plain_step(everything)
     if args.max_new_tokens:  # a greedy output's prefix is the greedy output of a shorter request
         n = args.max_new_tokens
         for ps in prompts.values():

@@ -13,14 +13,6 @@ from tiny_models import VOCAB, tiny_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def spec(model_dir):
     return speculum.load(model_dir, draft="self:1", dtype="float32")
 

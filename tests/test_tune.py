@@ -12,17 +12,7 @@ from speculum.errors import ConfigFileError, InvalidInputError
 from speculum.methods import SpeculativeConfig
 from speculum.tune import CostModel, _two_branch_tree, tune
 
-from tiny_models import tiny_model, word_tokenizer
-
 PROMPTS = ["w3 w4 w5 w6 w3 w4 w5 w6 w3 w4", "w9 w8 w7 w9 w8 w7 w9", "w1 w2 w3 w11 w12 w13 w1 w2"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-tune")
-    tiny_model("llama").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,13 @@ class CostModel:
             points.append((k, statistics.median(times[1:])))
         return cls(points)
 
+    def with_plain_step(self, prompts: list[TunePrompt]) -> CostModel:
+        """This curve with t(1) replaced by what plain decoding paid per token on ``prompts`` (the
+        median): a lone K=1 probe after a prefill reads high on some CPUs, and the plain baseline
+        is predicted with this same number."""
+        per_token = statistics.median((p.plain_time - p.prefill_time) / max(len(p.reference), 1) for p in prompts)
+        return CostModel([(1, per_token)] + [pt for pt in self.points if pt[0] > 1])
+
 
 def _two_branch_tree(ids: list[int], k: int) -> TokenTree:
     """A K-node tree (root included) of two chains below the root, so the tree mask is paid as in
@@ -166,7 +173,7 @@ def _defaults(method: str) -> dict[str, Any]:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
-def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int, progress=None) -> list[TunePrompt]:
+def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int) -> list[TunePrompt]:
     """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first)."""
     spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
     prompts = []
@@ -174,8 +181,6 @@ def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int, prog
         result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
         stats = result.stats
         prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
-        if progress:
-            progress()
     return prompts
 
 
@@ -260,10 +265,7 @@ def tune(
     typical = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2]
     log("measuring the target's verification cost t(K)")
     cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2])
-    # t(1) is what plain decoding just paid per token, on these very prompts (a lone K=1 probe after
-    # a prefill reads high on some CPUs): the same number the plain baseline is predicted with
-    per_token = statistics.median((p.plain_time - p.prefill_time) / max(len(p.reference), 1) for p in prompts)
-    cost = CostModel([(1, per_token)] + [pt for pt in cost.points if pt[0] > 1])
+    cost = cost.with_plain_step(prompts)
     log("t(K): " + ", ".join(f"K={k} {t * 1000:.1f} ms" for k, t in cost.points))
 
     scorer = ReplayScorer(spec, method, prompts, cost, log=log)
