@@ -114,12 +114,27 @@ def test_weighted_bce_by_hand():
 def _toy_data(n=2000, hidden=8):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, hidden, generator=gen)
-    return {"hidden": x.half(), "label": (x[:, 0] + 0.5 * x[:, 1] > 0).float(), "text": torch.arange(n) // 20}
+    confidence = torch.rand(n, generator=gen)
+    return {"hidden": x.half(), "label": (x[:, 0] + 0.5 * x[:, 1] > 0).float(), "confidence": confidence,
+            "text": torch.arange(n) // 20}  # fmt: skip
+
+
+def test_the_confidence_input_is_learned(tmp_path):
+    """A label only the draft's confidence explains: the head that reads it learns it, the other cannot."""
+    data = _toy_data()
+    data["label"] = (data["confidence"] > 0.5).float()
+    losses = {}
+    for reads in (True, False):
+        settings = TrainSettings(depth=1, w_rej=1.0, epochs=3, lr=3e-3, batch_size=32, confidence_input=reads)
+        _, history = train_head(data, settings, tmp_path / str(reads), progress=False, log=lambda _: None)
+        losses[reads] = history[-1]["val_loss"]
+    assert losses[True] < 0.7 * losses[False]  # without it: chance (log 2)
+    assert AcceptanceHead.load(tmp_path / "True").confidence_input
 
 
 def test_training_lowers_validation_loss_and_resumes(tmp_path):
     data = _toy_data()
-    settings = TrainSettings(depth=2, w_rej=1.0, epochs=2, lr=3e-3, batch_size=32)
+    settings = TrainSettings(depth=2, w_rej=1.0, epochs=2, lr=3e-3, batch_size=32, confidence_input=False)
     head, history = train_head(data, settings, tmp_path, progress=False, log=lambda _: None)
     untrained = AcceptanceHead(8, 2)
     from speculum.training.acceptance import evaluate, split_by_text
@@ -129,7 +144,12 @@ def test_training_lowers_validation_loss_and_resumes(tmp_path):
     assert history[-1]["val_loss"] < 0.6 * before and history[-1]["val_accuracy"] > 0.8
     assert AcceptanceHead.load(tmp_path).training_info["history"] == history
     _, resumed = train_head(
-        data, TrainSettings(2, 1.0, 3, 3e-3, 32), tmp_path, resume=True, progress=False, log=lambda _: None
+        data,
+        TrainSettings(2, 1.0, 3, 3e-3, 32, confidence_input=False),
+        tmp_path,
+        resume=True,
+        progress=False,
+        log=lambda _: None,
     )
     assert len(resumed) == 3 and resumed[:2] == history and resumed[2]["val_loss"] < history[1]["val_loss"]
 
@@ -150,6 +170,14 @@ def test_cli_trains_a_head_that_generate_uses(tmp_path):
     plain = spec.generate(TEXT, "autoregressive", max_new_tokens=12)
     params = {"length_policy": "specdecpp", "acceptance_head": str(out), "num_speculative_tokens": 8}
     assert spec.generate(TEXT, "draft_model", max_new_tokens=12, **params).token_ids == plain.token_ids
+    res = CliRunner().invoke(
+        app,
+        ["generate", TEXT, "--model", str(model_dir), "--draft", "self:1", "--dtype", "float32", "--method",
+         "draft_model", "--length-policy", "specdecpp", "--param", f"acceptance_head={out}", "--max-new-tokens", "12",
+         "--no-stream", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output.strip().splitlines()[-1])["token_ids"] == plain.token_ids
     other = speculum.load(str(model_dir), draft=str(model_dir), dtype="float32")  # another draft: refused
     with pytest.raises(speculum.CheckpointError):
         other.generate(TEXT, "draft_model", max_new_tokens=4, **params)

@@ -69,7 +69,7 @@ class ConstantHead:
     def __init__(self, p):
         self.p = p
 
-    def accept_probability(self, hidden):
+    def accept_probability(self, hidden, confidence=None):
         return torch.tensor(self.p)
 
 
@@ -116,3 +116,19 @@ def test_oracle_stops_before_the_first_token_off_the_reference():
     assert policy.stop_before(_step(3, token=7))  # past the end of the reference
     policy.begin_round([1, 9])  # off the reference: no information, no stop
     assert not policy.stop_before(_step(0, token=3))
+
+
+def test_a_shipped_head_is_found_by_draft_fingerprint(draft, tmp_path, monkeypatch):
+    import speculum.acceptance_head as acceptance_head
+
+    head = AcceptanceHead(draft_hidden_size(draft), 1, draft_fingerprint(draft))
+    head.save(tmp_path / "heads" / "tiny", dtype=torch.bfloat16)  # shipped heads are stored in bfloat16
+    monkeypatch.setattr(acceptance_head, "BUNDLED", tmp_path / "heads")
+    drafter = build_drafter("draft_model", draft, VOCAB, length_policy="specdecpp")
+    assert drafter.policy.initial == 20  # the paper's bound is the default for an adaptive stop
+    x = torch.randn(3, head.hidden_size)
+    assert torch.allclose(drafter.policy.head(x), head(x), atol=0.05)  # the bfloat16 copy, read as float32
+    assert build_drafter("draft_model", draft, VOCAB).policy.initial == 5
+    other = perturbed_copy(tiny_model("llama"), scale=0.9, seed=7)
+    with pytest.raises(InvalidInputError, match="train acceptance-head"):
+        build_drafter("draft_model", other, VOCAB, length_policy="specdecpp")

@@ -10,6 +10,11 @@ A checkpoint is a directory with ``acceptance_head.safetensors`` and ``config.js
 names the draft model it was trained on (a fingerprint of its shape and a few of its weights),
 so a head is refused on another draft with a clear error. Both files are written atomically and
 the config, written last, records the weights' SHA-256: a half-written pair is detected.
+
+Beyond the paper, ``confidence_input=True`` also feeds the head the draft's own probability of the
+candidate (its confidence, which the drafter computes anyway): a small MLP recovers it from the
+hidden state only poorly, and on the Qwen pair it is the best single predictor of acceptance
+(BENCHMARKS.md, SpecDec++ section).
 """
 
 from __future__ import annotations
@@ -43,30 +48,52 @@ class ResBlock(nn.Module):
 class AcceptanceHead(nn.Module):
     """(D+1)-layer residual MLP over a hidden state; ``forward`` gives the logit of P(accept)."""
 
-    def __init__(self, hidden_size: int, depth: int = 3, draft_fingerprint: str = ""):
+    def __init__(self, hidden_size: int, depth: int = 3, draft_fingerprint: str = "", confidence_input: bool = False):
         super().__init__()
         if not isinstance(hidden_size, int) or hidden_size < 1 or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"bad head shape: hidden_size={hidden_size!r}, depth={depth!r}")
         self.hidden_size = hidden_size
         self.depth = depth
         self.draft_fingerprint = draft_fingerprint
+        self.confidence_input = confidence_input
+        # [q, log q] of the candidate, added to the hidden state (zero at initialisation)
+        self.confidence = nn.Linear(2, hidden_size) if confidence_input else None
+        if self.confidence is not None:
+            nn.init.zeros_(self.confidence.weight)
+            nn.init.zeros_(self.confidence.bias)
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(depth))  # independent weights
         self.out = nn.Linear(hidden_size, 1)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, confidence: torch.Tensor | float | None = None) -> torch.Tensor:
+        """Logit of P(accept) from the draft's hidden state (and, for a ``confidence_input`` head,
+        the draft's probability of the candidate)."""
         x = hidden.to(self.out.weight.dtype)
+        if self.confidence is not None:
+            if confidence is None:
+                raise ValueError("this acceptance head also reads the draft's confidence in the candidate")
+            q = torch.as_tensor(confidence, dtype=x.dtype, device=x.device).clamp_min(1e-6)
+            x = x + self.confidence(torch.stack([q, q.log()], dim=-1))
         for block in self.blocks:
             x = block(x)
         return self.out(x).squeeze(-1)
 
     @torch.inference_mode()
-    def accept_probability(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self(hidden.to(self.out.weight.device)))
+    def accept_probability(self, hidden: torch.Tensor, confidence: float | None = None) -> torch.Tensor:
+        return torch.sigmoid(self(hidden.to(self.out.weight.device), confidence))
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, directory: str | os.PathLike[str], *, training: dict[str, Any] | None = None) -> None:
-        """Write ``directory``/acceptance_head.safetensors and config.json (each atomically)."""
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        training: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Write ``directory``/acceptance_head.safetensors and config.json (each atomically).
+
+        ``dtype``: how the weights are stored (bfloat16 halves the file, as for the heads that ship
+        with speculum); they are read back as float32."""
         from safetensors.torch import save
 
         from speculum.poolfile import write_atomic
@@ -76,7 +103,7 @@ class AcceptanceHead(nn.Module):
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
-        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         blob = save(state)
         write_atomic(directory / WEIGHTS, blob, what="checkpoint file", error=CheckpointError)
         config = {
@@ -84,6 +111,7 @@ class AcceptanceHead(nn.Module):
             "version": VERSION,
             "hidden_size": self.hidden_size,
             "depth": self.depth,
+            "confidence_input": self.confidence_input,
             "draft_fingerprint": self.draft_fingerprint,
             "weights_sha256": hashlib.sha256(blob).hexdigest(),
             "training": training or {},
@@ -109,7 +137,12 @@ class AcceptanceHead(nn.Module):
             raise CheckpointError(f"{where!r} is not a version-{VERSION} acceptance-head checkpoint")
         if hashlib.sha256(blob).hexdigest() != config.get("weights_sha256"):
             raise CheckpointError(f"acceptance-head checkpoint {where!r} is corrupt (weights do not match config)")
-        head = cls(int(config["hidden_size"]), int(config["depth"]), str(config.get("draft_fingerprint", "")))
+        head = cls(
+            int(config["hidden_size"]),
+            int(config["depth"]),
+            str(config.get("draft_fingerprint", "")),
+            bool(config.get("confidence_input", False)),
+        )
         try:
             head.load_state_dict(load(blob))
         except (RuntimeError, ValueError) as exc:
@@ -127,6 +160,23 @@ class AcceptanceHead(nn.Module):
             )
         if self.draft_fingerprint and self.draft_fingerprint != draft_fingerprint(draft_model):
             raise CheckpointError(f"{where} was trained for another draft model (fingerprint mismatch)")
+
+
+BUNDLED = Path(__file__).parent / "data" / "heads"  # heads that ship with speculum, one directory each
+
+
+def bundled_head(draft_model: nn.Module) -> Path | None:
+    """The shipped head trained for ``draft_model`` (matched by fingerprint), if there is one."""
+    fingerprint = None
+    for config in sorted(BUNDLED.glob("*/" + CONFIG)):
+        try:
+            expected = json.loads(config.read_text()).get("draft_fingerprint")
+        except (OSError, ValueError):
+            continue
+        fingerprint = fingerprint or draft_fingerprint(draft_model)
+        if expected == fingerprint:
+            return config.parent
+    return None
 
 
 def draft_hidden_size(model: nn.Module) -> int:

@@ -59,6 +59,13 @@ def generate(
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Draft length K (method default if unset).")
     ] = None,
+    length_policy: Annotated[
+        str | None,
+        typer.Option(
+            help="Draft-model methods: fixed, heuristic, confidence or specdecpp (a shipped or --param "
+            "acceptance_head=DIR head)."
+        ),
+    ] = None,  # fmt: skip
     param: Annotated[list[str] | None, typer.Option(help="Method parameter key=value (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -84,6 +91,8 @@ def generate(
         params = parse_params(param or [])
         if num_speculative_tokens is not None:
             params["num_speculative_tokens"] = num_speculative_tokens
+        if length_policy is not None:
+            params["length_policy"] = length_policy
         if config is not None:
             file_config = speculum.SpeculativeConfig.from_file(config)
             if method is not None and method != file_config.method:
@@ -314,9 +323,12 @@ def train_acceptance_head(
     temperature: Annotated[float, typer.Option(min=0.0, help="The inference temperature the labels are for.")] = 0.0,
     mixing_ratio: Annotated[float, typer.Option(min=0.0, max=0.99, help="Share r keeping the target token.")] = 0.15,
     depth: Annotated[int, typer.Option(min=0, help="Residual blocks D.")] = 3,
+    confidence_input: Annotated[
+        bool, typer.Option(help="Also feed the head the draft's confidence in its candidate (beyond the paper).")
+    ] = True,
     w_rej: Annotated[float, typer.Option(min=0.0, help="Loss weight of rejections.")] = 6.0,
-    epochs: Annotated[int, typer.Option(min=1)] = 3,
-    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    epochs: Annotated[int, typer.Option(min=1)] = 2,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-4,
     batch_size: Annotated[int, typer.Option(min=1)] = 256,
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="Where the head trains: cpu, cuda, ...")] = "cpu",
@@ -343,7 +355,7 @@ def train_acceptance_head(
         with err.status(f"loading {model} + {draft}"):
             spec = speculum.load(model, draft, dtype=dtype, prepack=False)
         data_settings = acceptance.DataSettings(max_tokens, temperature, 1.0, 0, mixing_ratio, seed)
-        train_settings = acceptance.TrainSettings(depth, w_rej, epochs, lr, batch_size, 0.1, seed)
+        train_settings = acceptance.TrainSettings(depth, w_rej, epochs, lr, batch_size, 0.1, seed, confidence_input)
         acceptance.run(
             spec,
             sources,

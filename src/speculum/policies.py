@@ -119,14 +119,21 @@ class SpecDecPPStop(LengthPolicy):
         self.threshold = threshold
         self.min_tokens = min_tokens
         self.passes = 1.0  # predicted P(every candidate so far accepted)
+        self.reads_confidence = bool(getattr(head, "confidence_input", False))
+        self.previous_confidence: float | None = None  # the draft's probability of the previous candidate
 
     def begin_round(self, tokens: list[int]) -> None:
         self.passes = 1.0
 
     def should_stop(self, step: DraftStep) -> bool:
+        # step.hidden is where the previous candidate was the input: it scores that candidate
+        previous, self.previous_confidence = (
+            self.previous_confidence,
+            (step.confidence if self.reads_confidence else None),
+        )
         if step.position == 0 or step.hidden is None:
             return False  # the first forward's input is the last committed token, not a candidate
-        self.passes *= float(self.head.accept_probability(step.hidden))
+        self.passes *= float(self.head.accept_probability(step.hidden, previous))
         return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
 
 
@@ -188,19 +195,31 @@ def check_policy_options(options) -> None:
         stop_threshold=options.stop_threshold,
         min_draft_tokens=options.min_draft_tokens,
     )
-    if options.length_policy == "specdecpp" and options.acceptance_head is None:
-        raise InvalidInputError(
-            "length_policy='specdecpp' needs acceptance_head=PATH (a checkpoint from `speculum train acceptance-head`)"
-        )
+
+
+# Draft tokens per round at most, when the options do not say: the paper's bound for the policies
+# that stop on their own, a short fixed draft otherwise.
+ADAPTIVE_BOUND = 20
+
+
+def default_draft_length(length_policy: str, fixed_default: int) -> int:
+    return ADAPTIVE_BOUND if length_policy in ("specdecpp", "oracle") else fixed_default
 
 
 def policy_for(options, draft_model) -> LengthPolicy:
     """The length policy a drafter's options ask for; ``specdecpp`` loads its head for ``draft_model``."""
     head = None
     if options.length_policy == "specdecpp":
-        from speculum.acceptance_head import AcceptanceHead
+        from speculum.acceptance_head import AcceptanceHead, bundled_head
 
-        head = AcceptanceHead.load(options.acceptance_head, draft_model=draft_model)
+        path = options.acceptance_head or bundled_head(draft_model)
+        if path is None:
+            raise InvalidInputError(
+                "length_policy='specdecpp' needs acceptance_head=PATH: no head ships for this draft model "
+                "(speculum ships one for qwen2.5-coder-0.5b). Train one with `speculum train acceptance-head "
+                "--model TARGET --draft DRAFT --out DIR` and pass acceptance_head=DIR"
+            )
+        head = AcceptanceHead.load(path, draft_model=draft_model)
         head.to(next(draft_model.parameters()).device)
     return make_policy(
         options.length_policy,

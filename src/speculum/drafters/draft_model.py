@@ -21,13 +21,13 @@ import torch
 
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
 from speculum.errors import InvalidInputError
-from speculum.policies import DraftStep, check_policy_options, policy_for
+from speculum.policies import DraftStep, check_policy_options, default_draft_length, policy_for
 from speculum.sampling import sample, warp
 
 
 @dataclass
 class Options:
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # at most per round; None: 5, or 20 for specdecpp/oracle
     length_policy: str = "heuristic"  # fixed | heuristic | confidence | specdecpp | oracle (analysis only)
     confidence_threshold: float = 0.4  # only for length_policy="confidence"
     acceptance_head: str | None = None  # length_policy="specdecpp": a trained head's checkpoint directory
@@ -35,6 +35,8 @@ class Options:
     min_draft_tokens: int = 2  # specdecpp: never stop before this many tokens
 
     def __post_init__(self) -> None:
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = default_draft_length(self.length_policy, 5)
         check_policy_options(self)
 
 

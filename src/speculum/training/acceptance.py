@@ -56,7 +56,8 @@ class DataSettings:
 
 @torch.inference_mode()
 def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress: bool = True) -> dict:
-    """``hidden`` [N, H] float16, ``label`` [N] float32 and ``text`` [N] (which text each row came from)."""
+    """``hidden`` [N, H] float16, ``label`` [N] float32, ``confidence`` [N] (the draft's probability of
+    its candidate, under the warping) and ``text`` [N] (which text each row came from)."""
     from tqdm.auto import tqdm
 
     if spec.draft_model is None:
@@ -67,7 +68,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
     gen = torch.Generator().manual_seed(settings.seed)
     target, draft = spec.model, spec.draft_model
     width = spec.vocab_size
-    hidden_rows, labels, owners = [], [], []
+    hidden_rows, labels, confidences, owners = [], [], [], []
     for index, text in enumerate(tqdm(texts, desc="acceptance data", unit="text", disable=not progress)):
         ids, start = encode(spec.tokenizer, text, settings.max_tokens)
         if len(ids) - max(start, 1) < 1:
@@ -84,12 +85,14 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
             target_token = t_next.argmax(-1)
             candidate = d_next.argmax(-1)
             label = (candidate == target_token).float()
+            confidence = torch.softmax(d_next, -1).gather(1, candidate[:, None])[:, 0]
         else:
             p, q = warp(t_next, sampling), warp(d_next, sampling)
             target_token = torch.multinomial(p, 1, generator=gen)[:, 0]
             candidate = torch.multinomial(q, 1, generator=gen)[:, 0]
             pick = torch.arange(len(rows))
             label = torch.clamp(p[pick, candidate] / q[pick, candidate], max=1.0)
+            confidence = q[pick, candidate]
         keep_target = torch.rand(len(rows), generator=gen) < settings.mixing_ratio
         mixed = torch.tensor(ids)
         mixed[rows + 1] = torch.where(keep_target, target_token, candidate)
@@ -97,10 +100,16 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         scored = ~keep_target
         hidden_rows.append(states[rows + 1][scored].to(torch.float16))
         labels.append(label[scored])
+        confidences.append(confidence[scored])
         owners.append(torch.full((int(scored.sum()),), index, dtype=torch.int32))
     if not labels:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
-    return {"hidden": torch.cat(hidden_rows), "label": torch.cat(labels), "text": torch.cat(owners)}
+    return {
+        "hidden": torch.cat(hidden_rows),
+        "label": torch.cat(labels),
+        "confidence": torch.cat(confidences),
+        "text": torch.cat(owners),
+    }
 
 
 def _fit(logits: torch.Tensor, width: int) -> torch.Tensor:
@@ -112,7 +121,7 @@ def _fit(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 def data_key(spec, texts: list[TrainingText], settings: DataSettings) -> str:
     """What the cached data depends on: the draft, the texts and the settings."""
-    h = hashlib.sha256()
+    h = hashlib.sha256(b"v2")  # v2: rows carry the draft's confidence
     h.update(draft_fingerprint(spec.draft_model).encode())
     h.update(str(getattr(spec, "name", "")).encode())
     h.update(json.dumps(asdict(settings), sort_keys=True).encode())
@@ -144,11 +153,12 @@ def load_or_make_data(spec, texts, settings, cache: Path, regenerate: bool = Fal
 class TrainSettings:
     depth: int = 3  # D residual blocks (+ the output layer)
     w_rej: float = 6.0  # weight of rejections in the loss (the paper's 6)
-    epochs: int = 3
-    lr: float = 1e-3
+    epochs: int = 2  # more overfits at the documented data size (benchmarks/results/acceptance-head-sweep.md)
+    lr: float = 1e-4
     batch_size: int = 256
     val_fraction: float = 0.1  # texts held out for validation
     seed: int = 0
+    confidence_input: bool = True  # also read the draft's confidence (beyond the paper; see acceptance_head)
 
 
 def weighted_bce(logits: torch.Tensor, labels: torch.Tensor, w_rej: float) -> torch.Tensor:
@@ -186,13 +196,20 @@ def train_head(
     hidden, labels = data["hidden"], data["label"]
     train_mask, val_mask = split_by_text(data, settings.val_fraction, settings.seed)
     torch.manual_seed(settings.seed)
-    head = AcceptanceHead(hidden.shape[1], settings.depth, fingerprint).to(device)
+    head = AcceptanceHead(hidden.shape[1], settings.depth, fingerprint, settings.confidence_input).to(device)
+    confidence = data.get("confidence")
+    if settings.confidence_input and confidence is None:
+        raise CheckpointError("this training data has no confidence column: regenerate it (--regenerate)")
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr)
     history: list[dict[str, float]] = []
     state_file = out / "train_state.pt"
     if resume and state_file.exists():
         saved = AcceptanceHead.load(out)
-        if saved.hidden_size != head.hidden_size or saved.depth != head.depth:
+        if (saved.hidden_size, saved.depth, saved.confidence_input) != (
+            head.hidden_size,
+            head.depth,
+            head.confidence_input,
+        ):
             raise CheckpointError(f"cannot resume {str(out)!r}: it holds a head of another shape")
         head.load_state_dict(saved.state_dict())
         state = torch.load(state_file, weights_only=True)
@@ -211,7 +228,8 @@ def train_head(
             batch = order[step * settings.batch_size : (step + 1) * settings.batch_size]
             x = hidden[batch].to(device, torch.float32)
             y = labels[batch].to(device)
-            loss = weighted_bce(head(x), y, settings.w_rej)
+            q = confidence[batch].to(device) if settings.confidence_input else None
+            loss = weighted_bce(head(x, q), y, settings.w_rej)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -240,7 +258,8 @@ def evaluate(head: AcceptanceHead, data, mask: torch.Tensor, settings: TrainSett
     device = head.out.weight.device
     x = data["hidden"][mask].to(device, torch.float32)
     y = data["label"][mask].to(device)
-    logits = head(x)
+    q = data["confidence"][mask].to(device) if head.confidence_input else None
+    logits = head(x, q)
     accuracy = ((torch.sigmoid(logits) > 0.5) == (y > 0.5)).float().mean()
     return {"val_loss": float(weighted_bce(logits, y, settings.w_rej)), "val_accuracy": float(accuracy)}
 
