@@ -40,8 +40,7 @@ def auc(scores: torch.Tensor, positive: torch.Tensor) -> float:
 
 
 def _setting(r: dict) -> str:
-    reads = "with" if r["confidence"] else "without"
-    return f"lr {r['lr']:g}, w_rej {r['w_rej']:g}, depth {r['depth']}, {reads} confidence, epoch {r['epoch']}"
+    return f"lr {r['lr']:g}, w_rej {r['w_rej']:g}, depth {r['depth']}, {r['variant']} head, epoch {r['epoch']}"
 
 
 def main() -> None:
@@ -51,7 +50,12 @@ def main() -> None:
     ap.add_argument("--w-rej", default="6")
     ap.add_argument("--depth", default="3")
     ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--confidence", default="true", help="heads that also read the draft's confidence: true,false")
+    ap.add_argument(
+        "--variants",
+        default="paper,confidence,early",
+        help="paper (hidden state where the candidate is the input), confidence (and the draft's "
+        "confidence in it), early (the state that produced it, and the confidence)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -60,23 +64,25 @@ def main() -> None:
     y = data["label"][val]
     x = data["hidden"][val].float()
     q = data["confidence"][val] if "confidence" in data else None
+    before = data["hidden_before"][val].float() if "hidden_before" in data else None
     base_rate = float(y.mean())
     rows = []
     grid = itertools.product(
         [float(v) for v in args.lr.split(",")], [float(v) for v in args.w_rej.split(",")],
-        [int(v) for v in args.depth.split(",")], [v == "true" for v in args.confidence.split(",")],
+        [int(v) for v in args.depth.split(",")], args.variants.split(","),
     )  # fmt: skip
-    for lr, w_rej, depth, reads in grid:
-        settings = TrainSettings(depth=depth, w_rej=w_rej, epochs=1, lr=lr, confidence_input=reads)
+    for lr, w_rej, depth, variant in grid:
+        reads, early = variant != "paper", variant == "early"
+        settings = TrainSettings(depth=depth, w_rej=w_rej, epochs=1, lr=lr, confidence_input=reads, early=early)
         with tempfile.TemporaryDirectory() as tmp:
             for epoch in range(1, args.epochs + 1):
                 settings.epochs = epoch
                 t0 = time.perf_counter()
                 head, _ = train_head(data, settings, Path(tmp), resume=epoch > 1, progress=False, log=lambda *_: None)
                 with torch.no_grad():
-                    logits = head(x, q if reads else None)
+                    logits = head(before if early else x, q if reads else None)
                 row = {
-                    "lr": lr, "w_rej": w_rej, "depth": depth, "confidence": reads, "epoch": epoch,
+                    "lr": lr, "w_rej": w_rej, "depth": depth, "variant": variant, "epoch": epoch,
                     "val_loss_w6": float(weighted_bce(logits, y, 6.0)),
                     "val_auc": auc(logits, y > 0.5),
                     "mean_pred": float(torch.sigmoid(logits).mean()),
@@ -85,6 +91,7 @@ def main() -> None:
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
     best = min(rows, key=lambda r: r["val_loss_w6"])
+    reference = f"; AUC of the draft's confidence alone {auc(q, y > 0.5):.4f}" if q is not None else ""
     best_auc = max(rows, key=lambda r: r["val_auc"])
     lines = [
         "# Acceptance-head recipe sweep (validation texts held out)",
@@ -92,17 +99,17 @@ def main() -> None:
         f"- command: `{shlex.join(['python', *sys.argv])}`",
         f"- date: {now_iso()}; machine: {machine_info()['cpu']}",
         f"- data: {len(data['label'])} candidate positions, {len(y)} of them validation; observed mean label "
-        f"(validation) {base_rate:.3f}",
+        f"(validation) {base_rate:.3f}{reference}",
         f"- lowest validation loss: {_setting(best)} ({best['val_loss_w6']:.4f}); "
         f"highest AUC: {_setting(best_auc)} ({best_auc['val_auc']:.4f})",
         "",
-        "| lr | w_rej | depth | reads confidence | epoch | validation loss (w_rej 6) | validation AUC | "
+        "| lr | w_rej | depth | head | epoch | validation loss (w_rej 6) | validation AUC | "
         "mean predicted acceptance |",
         "|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['lr']:g} | {r['w_rej']:g} | {r['depth']} | {r['confidence']} | {r['epoch']} | "
+            f"| {r['lr']:g} | {r['w_rej']:g} | {r['depth']} | {r['variant']} | {r['epoch']} | "
             f"{r['val_loss_w6']:.4f} | {r['val_auc']:.4f} | {r['mean_pred']:.3f} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,16 +51,20 @@ python benchmarks/ouroboros_studies.py $OUT/qwen-issue7-128 --model qwen2.5-code
   --config benchmarks/results/ouroboros-qwen-tuned.json --warm-records $OUT/tune3 --max-new-tokens 64 \
   --out benchmarks/results/ouroboros-studies.md --plot benchmarks/plots/ouroboros_studies.png
 
-# Issue #8 (SpecDec++): the head (data ~11 min, training seconds), the recipe sweep on its cached
-# data, the head shipped in the package, then Figure 4 on the report prompts (references from the
-# issue #7 128-token run) and the tuning front on prompts 5-6 of each set (h and K are chosen there).
-speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out $OUT/heads/qwen-0.5b-conf
-python benchmarks/acceptance_head_sweep.py $OUT/heads/qwen-0.5b-conf/acceptance_data.safetensors \
-  --lr 1e-3,1e-4 --confidence true,false --epochs 4 --out benchmarks/results/acceptance-head-sweep.md
-python benchmarks/ship_acceptance_head.py $OUT/heads/qwen-0.5b-conf qwen2.5-coder-0.5b
-python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-  --head paper=$OUT/heads/qwen-0.5b-r2 --head ours=src/speculum/data/heads/qwen2.5-coder-0.5b \
-  --datasets humaneval,gsm8k,mt_bench,wmt16 --first 5 --limit 2 --cost --out benchmarks/results/specdecpp-tune-front.md
-python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-  --head paper=$OUT/heads/qwen-0.5b-r2 --head ours=src/speculum/data/heads/qwen2.5-coder-0.5b \
+# Issue #8 (SpecDec++): the heads (data ~11 min alone, training seconds; "paper" = the paper's
+# head: hidden state where the candidate is the input, no confidence input), the recipe sweep on the
+# cached data, the default head shipped in the package, the tuning front on prompts 5-7 of each set
+# (h, K and the confidence threshold are chosen there), Figure 4 on the report prompts (references
+# from the issue #7 128-token run), then the timed runs on the report prompts.
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out $OUT/heads/qwen-0.5b-early
+cp $OUT/heads/qwen-0.5b-early/acceptance_data.safetensors $OUT/heads/qwen-0.5b-paper/
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out $OUT/heads/qwen-0.5b-paper \
+  --no-early --no-confidence-input --epochs 2 --lr 1e-4
+python benchmarks/acceptance_head_sweep.py $OUT/heads/qwen-0.5b-early/acceptance_data.safetensors \
+  --lr 1e-3,1e-4,3e-5 --epochs 3 --out benchmarks/results/acceptance-head-sweep.md
+python benchmarks/ship_acceptance_head.py $OUT/heads/qwen-0.5b-early qwen2.5-coder-0.5b
+HEADS="--head paper=$OUT/heads/qwen-0.5b-paper --head early=src/speculum/data/heads/qwen2.5-coder-0.5b"
+python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $HEADS \
+  --datasets humaneval,gsm8k,mt_bench,wmt16 --first 5 --limit 3 --cost --out benchmarks/results/specdecpp-tune-front.md
+python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $HEADS \
   --records $OUT/qwen-issue7-128 --cost --out benchmarks/results/specdecpp-front.md --plot benchmarks/plots/specdecpp_front.png

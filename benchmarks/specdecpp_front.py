@@ -18,7 +18,7 @@ decoding (cost model, no end-to-end timing): that is how the timed runs' setting
 prompts other than the ones they report on.
 
     python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
-        --head heads/qwen-0.5b --records bench-out/qwen-issue7-128 --cost \\
+        --head paper=heads/paper --head early=heads/early --records bench-out/qwen-issue7-128 --cost \\
         --out benchmarks/results/specdecpp-front.md --plot benchmarks/plots/specdecpp_front.png
 
 Discard rate = drafted tokens the target rejected, per generated token; verification rate = target
@@ -129,7 +129,11 @@ def generated_outputs(spec, args) -> list[dict]:
 
 def measure_costs(spec, heads, prefix: list[int]) -> dict:
     """t(K) of the target, one draft forward and one head call, on this machine."""
-    target = CostModel.measure(spec.runner, prefix, ks=(1, 2, 4, 8, 12, 16, 21))
+    curve = CostModel.measure(spec.runner, prefix, ks=(1, 2, 4, 8, 12, 16, 21))
+    # t(1) from plain decoding itself (a lone K=1 probe after a prefill reads high on some CPUs)
+    plain = spec.generate(prefix, "autoregressive", max_new_tokens=24)
+    per_token = (plain.stats.wall_time - plain.stats.time_prefill) / plain.stats.new_tokens
+    target = CostModel([(1, per_token)] + [point for point in curve.points if point[0] > 1])
     draft = ModelRunner(spec.draft_model)
     cache = draft.new_cache()
     draft.prefill(cache, prefix[:-1])
@@ -141,14 +145,20 @@ def measure_costs(spec, heads, prefix: list[int]) -> dict:
         times.append(time.perf_counter() - t0)
         draft.crop(cache, len(prefix) - 1)
     head_time = 0.0
-    if heads:
-        head = next(iter(heads.values()))
+    if heads:  # one head call per draft token, plus the softmax that gives its confidence input
+        head = max(heads.values(), key=lambda h: h.confidence_input)
         x = torch.randn(head.hidden_size)
+        logits = torch.randn(spec.vocab_size, dtype=spec.draft_model.dtype)
+
+        def call():
+            q = float(torch.softmax(logits.float(), dim=-1)[7]) if head.confidence_input else None
+            head.accept_probability(x, q)
+
         for _ in range(20):
-            head.accept_probability(x)
+            call()
         t0 = time.perf_counter()
         for _ in range(200):
-            head.accept_probability(x)
+            call()
         head_time = (time.perf_counter() - t0) / 200
     return {"target": target, "draft": statistics.median(times[2:]), "head": head_time}
 

@@ -115,7 +115,9 @@ def _toy_data(n=2000, hidden=8):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, hidden, generator=gen)
     confidence = torch.rand(n, generator=gen)
+    before = torch.randn(n, hidden, generator=gen).half()
     return {"hidden": x.half(), "label": (x[:, 0] + 0.5 * x[:, 1] > 0).float(), "confidence": confidence,
+            "hidden_before": before,
             "text": torch.arange(n) // 20}  # fmt: skip
 
 
@@ -125,7 +127,9 @@ def test_the_confidence_input_is_learned(tmp_path):
     data["label"] = (data["confidence"] > 0.5).float()
     losses = {}
     for reads in (True, False):
-        settings = TrainSettings(depth=1, w_rej=1.0, epochs=3, lr=3e-3, batch_size=32, confidence_input=reads)
+        settings = TrainSettings(
+            depth=1, w_rej=1.0, epochs=3, lr=3e-3, batch_size=32, confidence_input=reads, early=False
+        )
         _, history = train_head(data, settings, tmp_path / str(reads), progress=False, log=lambda _: None)
         losses[reads] = history[-1]["val_loss"]
     assert losses[True] < 0.7 * losses[False]  # without it: chance (log 2)
@@ -134,7 +138,7 @@ def test_the_confidence_input_is_learned(tmp_path):
 
 def test_training_lowers_validation_loss_and_resumes(tmp_path):
     data = _toy_data()
-    settings = TrainSettings(depth=2, w_rej=1.0, epochs=2, lr=3e-3, batch_size=32, confidence_input=False)
+    settings = TrainSettings(depth=2, w_rej=1.0, epochs=2, lr=3e-3, batch_size=32, confidence_input=False, early=False)
     head, history = train_head(data, settings, tmp_path, progress=False, log=lambda _: None)
     untrained = AcceptanceHead(8, 2)
     from speculum.training.acceptance import evaluate, split_by_text
@@ -145,7 +149,7 @@ def test_training_lowers_validation_loss_and_resumes(tmp_path):
     assert AcceptanceHead.load(tmp_path).training_info["history"] == history
     _, resumed = train_head(
         data,
-        TrainSettings(2, 1.0, 3, 3e-3, 32, confidence_input=False),
+        TrainSettings(2, 1.0, 3, 3e-3, 32, confidence_input=False, early=False),
         tmp_path,
         resume=True,
         progress=False,

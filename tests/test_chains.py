@@ -21,9 +21,12 @@ def pair():
 
 
 @pytest.fixture(scope="module")
-def head(pair):
+def heads(pair):
     torch.manual_seed(3)
-    return AcceptanceHead(draft_hidden_size(pair[1]), depth=1)
+    paper = AcceptanceHead(draft_hidden_size(pair[1]), depth=1)
+    early = AcceptanceHead(draft_hidden_size(pair[1]), depth=1, early=True)
+    torch.nn.init.normal_(early.confidence.weight)  # (zero at initialisation: make the input count)
+    return {"paper": paper, "early": early}
 
 
 POLICIES = [
@@ -31,13 +34,14 @@ POLICIES = [
     ("fixed", {"num_speculative_tokens": 7}),
     ("heuristic", {"num_speculative_tokens": 5}),
     ("confidence", {"num_speculative_tokens": 8, "confidence_threshold": 0.5}),
-    ("specdecpp", {"num_speculative_tokens": 8, "stop_threshold": 0.5}),
+    ("specdecpp", {"num_speculative_tokens": 8, "stop_threshold": 0.5, "head": "paper"}),
+    ("specdecpp", {"num_speculative_tokens": 8, "stop_threshold": 0.5, "head": "early"}),
     ("oracle", {"num_speculative_tokens": 8}),
 ]
 
 
 @pytest.mark.parametrize("name, params", POLICIES)
-def test_simulation_matches_a_real_greedy_run(pair, head, name, params, tmp_path):
+def test_simulation_matches_a_real_greedy_run(pair, heads, name, params, tmp_path):
     """Greedy: the chains give exactly the drafted/accepted/forward counts of a real run (float32)."""
     target, draft = pair
     prompt = [3, 17, 42, 8, 8, 19, 5]
@@ -46,8 +50,9 @@ def test_simulation_matches_a_real_greedy_run(pair, head, name, params, tmp_path
     assert chains.tokens.shape == (40, 8) and chains.hidden.shape[:2] == (40, 8)
 
     extra = {}
+    params = dict(params)
     if name == "specdecpp":
-        head.save(tmp_path / "head")
+        heads[params.pop("head")].save(tmp_path / "head")
         extra["acceptance_head"] = str(tmp_path / "head")
     drafter = build_drafter("draft_model", draft, VOCAB, length_policy=name, **params, **extra)
     if name == "oracle":

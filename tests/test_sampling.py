@@ -177,9 +177,10 @@ def _first_two_exact(model, prompt, sampling):
         ("ouroboros", 16, 16),
         ("draft_model", 20, 16),  # the target's head is wider (a padded head, as Qwen2.5-7B's vs the 0.5B)
         ("draft_model", 16, 20),  # the draft's is wider
+        ("specdecpp", 16, 16),  # draft_model stopped by an (untrained, early) acceptance head
     ],
 )
-def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab):
+def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_path):
     """End to end through the engine and a transformer: first two tokens follow the warped target."""
     model = tiny_model("llama", vocab_size=target_vocab)
     draft = tiny_model("llama", seed=7, vocab_size=draft_vocab)
@@ -193,6 +194,15 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab):
         "lookahead": {"window_size": 3, "ngram_size": 3, "pool_from_prompt": True},
         "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},
     }.get(method, {"num_speculative_tokens": 3})
+    if method == "specdecpp":
+        from speculum.acceptance_head import AcceptanceHead
+
+        torch.manual_seed(0)
+        head = AcceptanceHead(draft.config.hidden_size, 1, early=True)
+        torch.nn.init.normal_(head.confidence.weight)
+        head.save(tmp_path / "head")
+        method = "draft_model"
+        params = {"length_policy": "specdecpp", "acceptance_head": str(tmp_path / "head"), "stop_threshold": 0.5}
     drafter = build_drafter(method, draft, target_vocab, **params)
     for _ in range(trials):
         # the draft-model run also goes through the lazy LM head (rows computed along the walk)

@@ -91,6 +91,15 @@ def test_specdecpp_stop_rule():
     assert SpecDecPPStop(10, ConstantHead(1.0)).needs_hidden
 
 
+def test_an_early_head_scores_the_token_just_drafted():
+    head = ConstantHead(0.5)
+    head.early = True
+    policy = SpecDecPPStop(10, head, threshold=0.7, min_tokens=1)
+    policy.begin_round([1])
+    assert not policy.should_stop(_step(0))  # 1 - 0.5: the first candidate counts too
+    assert policy.should_stop(_step(1))  # 1 - 0.25 > 0.7: one token sooner than the paper's rule
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"stop_threshold": 1.0}, "stop_threshold"), ({"min_draft_tokens": 0}, "min_draft_tokens")],
@@ -132,3 +141,17 @@ def test_a_shipped_head_is_found_by_draft_fingerprint(draft, tmp_path, monkeypat
     other = perturbed_copy(tiny_model("llama"), scale=0.9, seed=7)
     with pytest.raises(InvalidInputError, match="train acceptance-head"):
         build_drafter("draft_model", other, VOCAB, length_policy="specdecpp")
+
+
+def test_the_shipped_head_is_intact():
+    """The head in the package loads (checksum, shape) and is the early kind the docs describe."""
+    from speculum.acceptance_head import BUNDLED
+
+    directories = sorted(p.parent for p in BUNDLED.glob("*/config.json"))
+    assert directories, "no acceptance head ships with the package"
+    for directory in directories:
+        head = AcceptanceHead.load(directory)
+        assert head.early and head.confidence_input and head.draft_fingerprint
+        q = torch.tensor([0.05, 0.95])
+        probs = torch.sigmoid(head(torch.zeros(2, head.hidden_size), q))
+        assert probs[0] < probs[1]  # a confident candidate is likelier to pass

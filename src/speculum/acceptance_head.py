@@ -13,8 +13,11 @@ the config, written last, records the weights' SHA-256: a half-written pair is d
 
 Beyond the paper, ``confidence_input=True`` also feeds the head the draft's own probability of the
 candidate (its confidence, which the drafter computes anyway): a small MLP recovers it from the
-hidden state only poorly, and on the Qwen pair it is the best single predictor of acceptance
-(BENCHMARKS.md, SpecDec++ section).
+hidden state only poorly, and on the Qwen pair it is the best single predictor of acceptance.
+``early=True`` (implies confidence_input) reads the hidden state that *produced* the candidate
+instead of the one where it is the input: the candidate is then scored as soon as it is drafted, so
+the draft can end right after a doubtful token instead of drafting one more, unscored, as the paper
+does. That matters where a draft forward costs a third of a target step (BENCHMARKS.md, SpecDec++).
 """
 
 from __future__ import annotations
@@ -48,19 +51,34 @@ class ResBlock(nn.Module):
 class AcceptanceHead(nn.Module):
     """(D+1)-layer residual MLP over a hidden state; ``forward`` gives the logit of P(accept)."""
 
-    def __init__(self, hidden_size: int, depth: int = 3, draft_fingerprint: str = "", confidence_input: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        depth: int = 3,
+        draft_fingerprint: str = "",
+        confidence_input: bool = False,
+        early: bool = False,
+    ):
         super().__init__()
+        confidence_input = confidence_input or early  # which token was drafted is only known from q
         if not isinstance(hidden_size, int) or hidden_size < 1 or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"bad head shape: hidden_size={hidden_size!r}, depth={depth!r}")
         self.hidden_size = hidden_size
         self.depth = depth
         self.draft_fingerprint = draft_fingerprint
         self.confidence_input = confidence_input
-        # [q, log q] of the candidate, added to the hidden state (zero at initialisation)
-        self.confidence = nn.Linear(2, hidden_size) if confidence_input else None
+        self.early = early  # scores a candidate from the state that produced it (see the module docstring)
+        # [q, log q, log(1-q)] of the candidate: added to the hidden state (zero at initialisation)
+        # and, through a skip, to the output, which starts as logit(q) = log q - log(1-q): the head
+        # begins as "accepted with the draft's own confidence" and learns corrections from the state
+        self.confidence = nn.Linear(3, hidden_size) if confidence_input else None
+        self.confidence_skip = nn.Linear(3, 1) if confidence_input else None
         if self.confidence is not None:
             nn.init.zeros_(self.confidence.weight)
             nn.init.zeros_(self.confidence.bias)
+            with torch.no_grad():
+                self.confidence_skip.weight.copy_(torch.tensor([[0.0, 1.0, -1.0]]))
+                self.confidence_skip.bias.zero_()
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(depth))  # independent weights
         self.out = nn.Linear(hidden_size, 1)
 
@@ -68,14 +86,17 @@ class AcceptanceHead(nn.Module):
         """Logit of P(accept) from the draft's hidden state (and, for a ``confidence_input`` head,
         the draft's probability of the candidate)."""
         x = hidden.to(self.out.weight.dtype)
+        skip = 0.0
         if self.confidence is not None:
             if confidence is None:
                 raise ValueError("this acceptance head also reads the draft's confidence in the candidate")
-            q = torch.as_tensor(confidence, dtype=x.dtype, device=x.device).clamp_min(1e-6)
-            x = x + self.confidence(torch.stack([q, q.log()], dim=-1))
+            q = torch.as_tensor(confidence, dtype=x.dtype, device=x.device).clamp(1e-6, 1 - 1e-6)
+            features = torch.stack([q, q.log(), (1 - q).log()], dim=-1)
+            x = x + self.confidence(features)
+            skip = self.confidence_skip(features).squeeze(-1)
         for block in self.blocks:
             x = block(x)
-        return self.out(x).squeeze(-1)
+        return self.out(x).squeeze(-1) + skip
 
     @torch.inference_mode()
     def accept_probability(self, hidden: torch.Tensor, confidence: float | None = None) -> torch.Tensor:
@@ -112,6 +133,7 @@ class AcceptanceHead(nn.Module):
             "hidden_size": self.hidden_size,
             "depth": self.depth,
             "confidence_input": self.confidence_input,
+            "early": self.early,
             "draft_fingerprint": self.draft_fingerprint,
             "weights_sha256": hashlib.sha256(blob).hexdigest(),
             "training": training or {},
@@ -142,6 +164,7 @@ class AcceptanceHead(nn.Module):
             int(config["depth"]),
             str(config.get("draft_fingerprint", "")),
             bool(config.get("confidence_input", False)),
+            bool(config.get("early", False)),
         )
         try:
             head.load_state_dict(load(blob))

@@ -326,9 +326,16 @@ def train_acceptance_head(
     confidence_input: Annotated[
         bool, typer.Option(help="Also feed the head the draft's confidence in its candidate (beyond the paper).")
     ] = True,
+    early: Annotated[
+        bool,
+        typer.Option(
+            help="Score each candidate from the state that produced it, so drafting can stop without "
+            "one more unscored token (beyond the paper; implies --confidence-input)."
+        ),
+    ] = True,  # fmt: skip
     w_rej: Annotated[float, typer.Option(min=0.0, help="Loss weight of rejections.")] = 6.0,
-    epochs: Annotated[int, typer.Option(min=1)] = 2,
-    lr: Annotated[float, typer.Option(min=0.0)] = 1e-4,
+    epochs: Annotated[int, typer.Option(min=1)] = 1,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
     batch_size: Annotated[int, typer.Option(min=1)] = 256,
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="Where the head trains: cpu, cuda, ...")] = "cpu",
@@ -355,7 +362,9 @@ def train_acceptance_head(
         with err.status(f"loading {model} + {draft}"):
             spec = speculum.load(model, draft, dtype=dtype, prepack=False)
         data_settings = acceptance.DataSettings(max_tokens, temperature, 1.0, 0, mixing_ratio, seed)
-        train_settings = acceptance.TrainSettings(depth, w_rej, epochs, lr, batch_size, 0.1, seed, confidence_input)
+        train_settings = acceptance.TrainSettings(
+            depth, w_rej, epochs, lr, batch_size, 0.1, seed, confidence_input, early
+        )
         acceptance.run(
             spec,
             sources,
@@ -371,7 +380,7 @@ def train_acceptance_head(
         fail(str(error))
     Console().print(
         f"use it: speculum generate PROMPT --model {model} --draft {draft} --method draft_model "
-        f"--param length_policy=specdecpp --param acceptance_head={out} --param num_speculative_tokens=20"
+        f"--length-policy specdecpp --param acceptance_head={out}"
     )
 
 

@@ -104,7 +104,9 @@ class SpecDecPPStop(LengthPolicy):
     of those predictions is the chance that the whole draft so far passes; the draft ends as soon
     as 1 - product > ``threshold`` (the paper's h), never before ``min_tokens`` and never beyond
     ``num_speculative_tokens``. As in the paper, the token drafted when the rule fires is kept
-    unscored (its own prediction would need one more draft forward).
+    unscored (its own prediction would need one more draft forward). An ``early`` head (ours)
+    instead scores each candidate from the state that produced it and the draft's confidence in
+    it, so the rule can fire on the doubtful token itself: no unscored token, one draft forward less.
     """
 
     needs_hidden = True
@@ -126,6 +128,10 @@ class SpecDecPPStop(LengthPolicy):
         self.passes = 1.0
 
     def should_stop(self, step: DraftStep) -> bool:
+        if getattr(self.head, "early", False):
+            # an early head scores this very candidate from the state that produced it
+            self.passes *= float(self.head.accept_probability(step.hidden, step.confidence))
+            return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
         # step.hidden is where the previous candidate was the input: it scores that candidate
         previous, self.previous_confidence = (
             self.previous_confidence,

@@ -46,6 +46,7 @@ class Chains:
     confidence: torch.Tensor  # [R, M] the draft's probability of its own token (warped when sampling)
     accept: torch.Tensor  # [R, M] P(candidate s accepted | candidates < s were): 0/1 when greedy
     hidden: torch.Tensor | None  # [R, M, H] the draft's last hidden state where candidate s is the input
+    first_hidden: torch.Tensor | None = None  # [R, H] the state that produced each chain's first candidate
 
     @property
     def rows(self) -> int:
@@ -135,6 +136,7 @@ def draft_chains(
     confidence = torch.zeros(rows, max_draft)
     draft_probs = torch.zeros(rows, max_draft)  # q(candidate) for the acceptance ratio
     hiddens = torch.zeros(rows, max_draft, states.shape[-1], dtype=torch.float16) if hidden else None
+    first_hidden = states[n_prompt - 1 : length - 1].to(torch.float16).cpu() if hidden else None
     for lo in range(0, rows, batch):
         hi = min(rows, lo + batch)
         starts = torch.arange(n_prompt + lo, n_prompt + hi)  # committed tokens at each round start
@@ -157,7 +159,7 @@ def draft_chains(
         accept = _greedy_accept(tokens, sequence, n_prompt)
     else:
         accept = _sampled_accept(target_model, sequence, n_prompt, tokens, draft_probs, sampling, batch)
-    return Chains(sequence, n_prompt, tokens, confidence, accept, hiddens)
+    return Chains(sequence, n_prompt, tokens, confidence, accept, hiddens, first_hidden)
 
 
 def _chain_cols(b: int, steps: int) -> torch.Tensor:
@@ -256,7 +258,9 @@ def simulate(
         if budget >= 1:
             for position in range(chains.max_draft):
                 token = int(chains.tokens[row, position])
-                hidden = chains.hidden[row, position - 1] if position > 0 and chains.hidden is not None else None
+                hidden = None  # as in the drafter: the state of the forward that produced this token
+                if chains.hidden is not None:
+                    hidden = chains.hidden[row, position - 1] if position > 0 else chains.first_hidden[row]
                 step = DraftStep(
                     position, token, None, _Confidence(token, float(chains.confidence[row, position])), hidden
                 )

@@ -56,8 +56,10 @@ class DataSettings:
 
 @torch.inference_mode()
 def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress: bool = True) -> dict:
-    """``hidden`` [N, H] float16, ``label`` [N] float32, ``confidence`` [N] (the draft's probability of
-    its candidate, under the warping) and ``text`` [N] (which text each row came from)."""
+    """``hidden`` [N, H] float16 (the draft's state where the candidate is the input), ``hidden_before``
+    [N, H] (the state that produced the candidate, for early heads), ``label`` [N] float32,
+    ``confidence`` [N] (the draft's probability of its candidate, under the warping) and ``text`` [N]
+    (which text each row came from)."""
     from tqdm.auto import tqdm
 
     if spec.draft_model is None:
@@ -68,7 +70,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
     gen = torch.Generator().manual_seed(settings.seed)
     target, draft = spec.model, spec.draft_model
     width = spec.vocab_size
-    hidden_rows, labels, confidences, owners = [], [], [], []
+    hidden_rows, before_rows, labels, confidences, owners = [], [], [], [], []
     for index, text in enumerate(tqdm(texts, desc="acceptance data", unit="text", disable=not progress)):
         ids, start = encode(spec.tokenizer, text, settings.max_tokens)
         if len(ids) - max(start, 1) < 1:
@@ -99,6 +101,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         states = draft.model(input_ids=mixed[None].to(draft.device)).last_hidden_state[0].float().cpu()
         scored = ~keep_target
         hidden_rows.append(states[rows + 1][scored].to(torch.float16))
+        before_rows.append(states[rows][scored].to(torch.float16))
         labels.append(label[scored])
         confidences.append(confidence[scored])
         owners.append(torch.full((int(scored.sum()),), index, dtype=torch.int32))
@@ -106,6 +109,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
     return {
         "hidden": torch.cat(hidden_rows),
+        "hidden_before": torch.cat(before_rows),
         "label": torch.cat(labels),
         "confidence": torch.cat(confidences),
         "text": torch.cat(owners),
@@ -121,7 +125,7 @@ def _fit(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 def data_key(spec, texts: list[TrainingText], settings: DataSettings) -> str:
     """What the cached data depends on: the draft, the texts and the settings."""
-    h = hashlib.sha256(b"v2")  # v2: rows carry the draft's confidence
+    h = hashlib.sha256(b"v3")  # v2: rows carry the draft's confidence; v3: and the state before the candidate
     h.update(draft_fingerprint(spec.draft_model).encode())
     h.update(str(getattr(spec, "name", "")).encode())
     h.update(json.dumps(asdict(settings), sort_keys=True).encode())
@@ -153,12 +157,13 @@ def load_or_make_data(spec, texts, settings, cache: Path, regenerate: bool = Fal
 class TrainSettings:
     depth: int = 3  # D residual blocks (+ the output layer)
     w_rej: float = 6.0  # weight of rejections in the loss (the paper's 6)
-    epochs: int = 2  # more overfits at the documented data size (benchmarks/results/acceptance-head-sweep.md)
-    lr: float = 1e-4
+    epochs: int = 1  # more overfits at the documented data size (benchmarks/results/acceptance-head-sweep.md)
+    lr: float = 1e-3
     batch_size: int = 256
     val_fraction: float = 0.1  # texts held out for validation
     seed: int = 0
     confidence_input: bool = True  # also read the draft's confidence (beyond the paper; see acceptance_head)
+    early: bool = True  # score a candidate from the state that produced it (beyond the paper; see acceptance_head)
 
 
 def weighted_bce(logits: torch.Tensor, labels: torch.Tensor, w_rej: float) -> torch.Tensor:
@@ -196,19 +201,23 @@ def train_head(
     hidden, labels = data["hidden"], data["label"]
     train_mask, val_mask = split_by_text(data, settings.val_fraction, settings.seed)
     torch.manual_seed(settings.seed)
-    head = AcceptanceHead(hidden.shape[1], settings.depth, fingerprint, settings.confidence_input).to(device)
+    head = AcceptanceHead(hidden.shape[1], settings.depth, fingerprint, settings.confidence_input, settings.early)
+    head = head.to(device)
+    if settings.early:
+        hidden = data.get("hidden_before")
     confidence = data.get("confidence")
-    if settings.confidence_input and confidence is None:
-        raise CheckpointError("this training data has no confidence column: regenerate it (--regenerate)")
+    if hidden is None or (head.confidence_input and confidence is None):
+        raise CheckpointError("this training data lacks columns this head reads: regenerate it (--regenerate)")
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr)
     history: list[dict[str, float]] = []
     state_file = out / "train_state.pt"
     if resume and state_file.exists():
         saved = AcceptanceHead.load(out)
-        if (saved.hidden_size, saved.depth, saved.confidence_input) != (
+        if (saved.hidden_size, saved.depth, saved.confidence_input, saved.early) != (
             head.hidden_size,
             head.depth,
             head.confidence_input,
+            head.early,
         ):
             raise CheckpointError(f"cannot resume {str(out)!r}: it holds a head of another shape")
         head.load_state_dict(saved.state_dict())
@@ -228,7 +237,7 @@ def train_head(
             batch = order[step * settings.batch_size : (step + 1) * settings.batch_size]
             x = hidden[batch].to(device, torch.float32)
             y = labels[batch].to(device)
-            q = confidence[batch].to(device) if settings.confidence_input else None
+            q = confidence[batch].to(device) if head.confidence_input else None
             loss = weighted_bce(head(x, q), y, settings.w_rej)
             optimizer.zero_grad()
             loss.backward()
@@ -256,7 +265,7 @@ def evaluate(head: AcceptanceHead, data, mask: torch.Tensor, settings: TrainSett
         return {"val_loss": float("nan"), "val_accuracy": float("nan")}
     head.eval()
     device = head.out.weight.device
-    x = data["hidden"][mask].to(device, torch.float32)
+    x = data["hidden_before" if head.early else "hidden"][mask].to(device, torch.float32)
     y = data["label"][mask].to(device)
     q = data["confidence"][mask].to(device) if head.confidence_input else None
     logits = head(x, q)
