@@ -13,19 +13,11 @@ from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
 
 from helpers import RandomTreeDrafter, build_drafter, generate_ids
-from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_config, tiny_model, word_tokenizer
+from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_config, tiny_model
 
 NEW = 24
 PROMPT = "w3 w4 w5 w6 w3 w4 w5 w6 w3 w4"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-split")
-    tiny_model("llama").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 SPLIT = {  # layer 1 and the LM head offloaded to disk: accelerate's hooks bring them in per forward

@@ -205,6 +205,13 @@ class ModelRunner:
         n = len(tree)
         allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.input_device)
         allowed[:, past:] = tree.ancestor_mask.to(self.input_device)
+        return self.attention_mask(allowed, positions)
+
+    def attention_mask(self, allowed: torch.Tensor, positions: torch.Tensor):
+        """The additive mask for new tokens at ``positions`` that may see the keys ``allowed`` says
+        (``[n, past + n]``, cache first), with each layer kind's sliding window applied."""
+        n = len(positions)
+        past = allowed.shape[1] - n
         masks = {}
         for kind, window in self.windows.items():
             if window is None or past + n <= window:

@@ -70,13 +70,7 @@ class _Confidence:
 
 def _forward(runner: ModelRunner, cache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
     """Hidden states and logits of ``ids`` appended to ``cache``, each row seeing what ``allowed`` says."""
-    past = allowed.shape[1] - len(ids)
-    masks = {}
-    for kind, window in runner.windows.items():
-        key_positions = torch.cat([torch.arange(past, device=positions.device), positions])
-        near = positions[:, None] - key_positions[None, :] < window if window is not None else True
-        masks[kind] = runner._additive(allowed & near)
-    mask = next(iter(masks.values())) if len(masks) == 1 else masks
+    mask = runner.attention_mask(allowed, positions)
     inputs = dict(
         input_ids=ids[None].to(runner.input_device), past_key_values=cache, use_cache=True,
         attention_mask=mask, position_ids=positions[None].to(runner.input_device),
@@ -89,7 +83,7 @@ def _forward(runner: ModelRunner, cache, ids: torch.Tensor, positions: torch.Ten
 
 
 def _next(logits: torch.Tensor, sampling: SamplingParams | None, generator, vocab: int | None):
-    """Each row's next chain token and the draft's probability of it."""
+    """Each row's next chain token and the draft's probability of it (warped when sampling)."""
     if vocab is not None and logits.shape[-1] > vocab:
         logits = logits[:, :vocab]
     if sampling is None:
@@ -98,7 +92,7 @@ def _next(logits: torch.Tensor, sampling: SamplingParams | None, generator, voca
     else:
         probs = warp(logits, sampling)
         token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return token, probs.gather(1, token[:, None])[:, 0], probs
+    return token, probs.gather(1, token[:, None])[:, 0]
 
 
 @torch.inference_mode()
@@ -128,23 +122,20 @@ def draft_chains(
     device = runner.input_device
     cache = runner.new_cache()
     # The prefill gives every start's first candidate (the logits at the position before it).
-    states = runner.model.model(
-        input_ids=torch.tensor([sequence], device=device), past_key_values=cache
-    ).last_hidden_state[0]
+    states = runner.prefill(cache, sequence, hidden=True)
     first_logits = runner._head(states[n_prompt - 1 : length - 1]).float()
     tokens = torch.zeros(rows, max_draft, dtype=torch.long)
     confidence = torch.zeros(rows, max_draft)
-    draft_probs = torch.zeros(rows, max_draft)  # q(candidate) for the acceptance ratio
     hiddens = torch.zeros(rows, max_draft, states.shape[-1], dtype=torch.float16) if hidden else None
     first_hidden = states[n_prompt - 1 : length - 1].to(torch.float16).cpu() if hidden else None
     for lo in range(0, rows, batch):
         hi = min(rows, lo + batch)
         starts = torch.arange(n_prompt + lo, n_prompt + hi)  # committed tokens at each round start
         b = hi - lo
-        token, conf, _ = _next(first_logits[lo:hi], sampling, generator, vocab)
+        token, conf = _next(first_logits[lo:hi], sampling, generator, vocab)
         allowed = torch.arange(length)[None, :] < starts[:, None]  # [b, length] each start's own prefix
         for s in range(max_draft):
-            tokens[lo:hi, s], confidence[lo:hi, s], draft_probs[lo:hi, s] = token.cpu(), conf.cpu(), conf.cpu()
+            tokens[lo:hi, s], confidence[lo:hi, s] = token.cpu(), conf.cpu()
             if s == max_draft - 1 and not hidden:
                 break
             # feed candidate s+1 of every chain; each sees its start's prefix and its own chain
@@ -153,12 +144,13 @@ def draft_chains(
             if hidden:
                 hiddens[lo:hi, s] = states.to(torch.float16).cpu()
             if s < max_draft - 1:
-                token, conf, _ = _next(logits, sampling, generator, vocab)
+                token, conf = _next(logits, sampling, generator, vocab)
         runner.crop(cache, length)
     if sampling is None:
         accept = _greedy_accept(tokens, sequence, n_prompt)
     else:
-        accept = _sampled_accept(target_model, sequence, n_prompt, tokens, draft_probs, sampling, batch)
+        # q is the chain token's confidence: the draft's (warped) probability of it
+        accept = _sampled_accept(target_model, sequence, n_prompt, tokens, confidence, sampling, batch)
     return Chains(sequence, n_prompt, tokens, confidence, accept, hiddens, first_hidden)
 
 
@@ -183,9 +175,7 @@ def _sampled_accept(target_model, sequence, n_prompt, tokens, draft_probs, sampl
     rows, depth = tokens.shape
     length = len(sequence)
     cache = runner.new_cache()
-    states = runner.model.model(
-        input_ids=torch.tensor([sequence], device=device), past_key_values=cache
-    ).last_hidden_state[0]
+    states = runner.prefill(cache, sequence, hidden=True)
     first = warp(runner._head(states[n_prompt - 1 : length - 1]), sampling)
     target_probs = torch.zeros(rows, depth)
     target_probs[:, 0] = first.gather(1, tokens[:, :1].to(first.device))[:, 0].cpu()
