@@ -91,3 +91,21 @@ def repetitive(rng, length, vocab=12):
         else:
             seq.append(rng.randrange(vocab))
     return seq[:length]
+
+
+def save_random_heads(kind: str, target, path, seed: int = 0, **shape):
+    """Untrained Medusa heads / CTC module for ``target`` (random, not zero, weights) saved at ``path``:
+    their drafts are arbitrary, which is all a losslessness test needs."""
+    from speculum.heads import CTCDraftModule, MedusaHeads, save_draft_head
+
+    torch.manual_seed(seed)
+    hidden = target.config.hidden_size
+    vocab = torch.arange(target.get_output_embeddings().weight.shape[0])
+    if kind == "medusa":
+        module = MedusaHeads(hidden, shape.get("num_heads", 3), vocab)
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+    else:
+        module = CTCDraftModule(hidden, vocab, shape.get("slots", 6), shape.get("label_length", 3), 4, 2)
+    save_draft_head(module, path, target)
+    return str(path)

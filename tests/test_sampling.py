@@ -16,7 +16,7 @@ from speculum.sampling import SamplingParams, warp
 from speculum.tree import TokenTree
 from speculum.verify import verify
 
-from helpers import build_drafter, generate_ids, markov_logits
+from helpers import build_drafter, generate_ids, markov_logits, save_random_heads
 from tiny_models import tiny_model
 
 V = 4
@@ -178,6 +178,8 @@ def _first_two_exact(model, prompt, sampling):
         ("draft_model", 20, 16),  # the target's head is wider (a padded head, as Qwen2.5-7B's vs the 0.5B)
         ("draft_model", 16, 20),  # the draft's is wider
         ("specdecpp", 16, 16),  # draft_model stopped by an (untrained, early) acceptance head
+        ("medusa", 16, 16),  # trees from (untrained) heads over the target's hidden states
+        ("ctc", 16, 16),
     ],
 )
 def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_path):
@@ -203,7 +205,9 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_
         head.save(tmp_path / "head")
         method = "draft_model"
         params = {"length_policy": "specdecpp", "acceptance_head": str(tmp_path / "head"), "stop_threshold": 0.5}
-    drafter = build_drafter(method, draft, target_vocab, **params)
+    if method in ("medusa", "ctc"):
+        params = {"heads": save_random_heads(method, model, tmp_path / method), "tree_nodes": 6}
+    drafter = build_drafter(method, draft, target_vocab, target=model, **params)
     for _ in range(trials):
         # the draft-model run also goes through the lazy LM head (rows computed along the walk)
         out, _ = generate_ids(model, prompt, drafter, 2, sampling, gen, lazy_head=method == "draft_model")

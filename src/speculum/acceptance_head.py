@@ -22,7 +22,6 @@ does. That matters where a draft forward costs a third of a target step (BENCHMA
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -32,20 +31,15 @@ import torch
 from torch import nn
 
 from speculum.errors import CheckpointError
+from speculum.heads.checkpoint import CONFIG, hidden_size, load_checkpoint, model_fingerprint, save_checkpoint
+from speculum.heads.medusa import ResBlock  # Medusa's block, which SpecDec++ reuses
+
+draft_hidden_size = hidden_size  # the names this module has always exported
+draft_fingerprint = model_fingerprint
 
 FORMAT = "speculum-acceptance-head"
 VERSION = 1
 WEIGHTS = "acceptance_head.safetensors"
-CONFIG = "config.json"
-
-
-class ResBlock(nn.Module):
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
 
 
 class AcceptanceHead(nn.Module):
@@ -115,18 +109,6 @@ class AcceptanceHead(nn.Module):
 
         ``dtype``: how the weights are stored (bfloat16 halves the file, as for the heads that ship
         with speculum); they are read back as float32."""
-        from safetensors.torch import save
-
-        from speculum.poolfile import write_atomic
-
-        directory = Path(directory)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {exc}") from exc
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
-        blob = save(state)
-        write_atomic(directory / WEIGHTS, blob, what="checkpoint file", error=CheckpointError)
         config = {
             "format": FORMAT,
             "version": VERSION,
@@ -135,30 +117,15 @@ class AcceptanceHead(nn.Module):
             "confidence_input": self.confidence_input,
             "early": self.early,
             "draft_fingerprint": self.draft_fingerprint,
-            "weights_sha256": hashlib.sha256(blob).hexdigest(),
             "training": training or {},
         }
-        data = (json.dumps(config, indent=2) + "\n").encode()
-        write_atomic(directory / CONFIG, data, what="checkpoint file", error=CheckpointError)
+        save_checkpoint(directory, WEIGHTS, self.state_dict(), config, dtype)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, draft_model: nn.Module | None = None) -> AcceptanceHead:
         """Read a checkpoint; with ``draft_model``, refuse a head trained for another draft."""
-        from safetensors.torch import load
-
-        directory = Path(directory)
         where = str(directory)
-        try:
-            config = json.loads((directory / CONFIG).read_text())
-            blob = (directory / WEIGHTS).read_bytes()
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"{where!r} is not an acceptance-head checkpoint (missing {exc.filename})") from None
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read acceptance-head checkpoint {where!r}: {exc}") from None
-        if not isinstance(config, dict) or config.get("format") != FORMAT or config.get("version") != VERSION:
-            raise CheckpointError(f"{where!r} is not a version-{VERSION} acceptance-head checkpoint")
-        if hashlib.sha256(blob).hexdigest() != config.get("weights_sha256"):
-            raise CheckpointError(f"acceptance-head checkpoint {where!r} is corrupt (weights do not match config)")
+        config, state = load_checkpoint(directory, WEIGHTS, FORMAT, VERSION, "acceptance-head")
         head = cls(
             int(config["hidden_size"]),
             int(config["depth"]),
@@ -167,7 +134,7 @@ class AcceptanceHead(nn.Module):
             bool(config.get("early", False)),
         )
         try:
-            head.load_state_dict(load(blob))
+            head.load_state_dict(state)
         except (RuntimeError, ValueError) as exc:
             raise CheckpointError(f"acceptance-head checkpoint {where!r} does not fit its config: {exc}") from None
         head.training_info = config.get("training", {})
@@ -200,33 +167,3 @@ def bundled_head(draft_model: nn.Module) -> Path | None:
         if expected == fingerprint:
             return config.parent
     return None
-
-
-def draft_hidden_size(model: nn.Module) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.hidden_size)
-
-
-@torch.no_grad()
-def draft_fingerprint(model: nn.Module) -> str:
-    """Identifies a draft model: its architecture and shape, its layer count (``self:N`` with another
-    N does not pass) and a sample of its weights (nor does another checkpoint of the same shape)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    h = hashlib.sha256()
-    for name in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
-        h.update(f"{name}={getattr(config, name, None)}\n".encode())
-    # weights that prepacking (speculum.accel) leaves alone: embedding rows and the final norm
-    embeddings = model.get_input_embeddings().weight
-    step = max(1, embeddings.shape[0] // 8)
-    h.update(embeddings[::step][:8, :64].float().cpu().numpy().tobytes())
-    norm = getattr(getattr(model, "model", model), "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None:
-        h.update(norm.weight.reshape(-1)[:256].float().cpu().numpy().tobytes())
-    h.update(f"layers={_layer_count(model)}\n".encode())
-    return h.hexdigest()[:32]
-
-
-def _layer_count(model: nn.Module) -> int:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    return len(layers) if layers is not None else -1

@@ -303,7 +303,10 @@ def _now() -> str:
     return now_iso()
 
 
-train_app = typer.Typer(no_args_is_help=True, help="Train the parts some methods learn (acceptance heads).")
+train_app = typer.Typer(
+    no_args_is_help=True,
+    help="Train the parts some methods learn (acceptance heads, Medusa heads, the CTC draft module).",
+)
 app.add_typer(train_app, name="train")
 
 
@@ -382,6 +385,120 @@ def train_acceptance_head(
         f"use it: speculum generate PROMPT --model {model} --draft {draft} --method draft_model "
         f"--length-policy specdecpp --param acceptance_head={out}"
     )
+
+
+TextsOption = Annotated[
+    str,
+    typer.Option(
+        "--texts",
+        "--prompts",
+        help="Comma-separated text sources: mbpp, humaneval, gsm8k, mt_bench, wmt16, stdlib, sliced like "
+        "gsm8k[100:], or paths (.jsonl prompt files, text/source files, directories). Keep the prompts you "
+        "report on out.",
+    ),
+]
+DEFAULT_HEAD_TEXTS = "mbpp,gsm8k[100:],wmt16[100:],mt_bench[10:],stdlib[:40]"
+
+
+def _train_draft_heads(kind: str, model: str, out: str, texts: str, max_tokens: int, settings, common: dict) -> None:
+    from pathlib import Path
+
+    import torch
+
+    import speculum
+    from speculum.training import draft_heads
+    from speculum.training.texts import training_texts
+
+    try:
+        sources = training_texts(texts)
+        settings.check()
+        if common["threads"] is not None:
+            torch.set_num_threads(common["threads"])
+        device = common["device"]
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            fail(f"--device {device}: no CUDA device here")
+        with err.status(f"loading {model}"):
+            spec = speculum.load(model, dtype=common["dtype"], prepack=False)
+        draft_heads.run(
+            spec,
+            sources,
+            Path(out),
+            draft_heads.DistillSettings(max_tokens),
+            settings,
+            device=device,
+            regenerate=common["regenerate"],
+            resume=common["resume"],
+            log=lambda line: err.print(line, highlight=False),
+        )
+    except SpeculumError as error:
+        fail(str(error))
+    method = "ctc" if kind == "ctc" else "medusa"
+    Console().print(f"use it: speculum generate PROMPT --model {model} --method {method} --param heads={out}")
+
+
+@train_app.command("medusa")
+def train_medusa(
+    out: Annotated[str, typer.Option(help="Checkpoint directory (also caches the distillation data).")],
+    model: Annotated[str, typer.Option(help="Target model.")] = "gemma-3-270m",
+    texts: TextsOption = DEFAULT_HEAD_TEXTS,
+    max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
+    num_heads: Annotated[int, typer.Option(min=1, help="Heads: tokens guessed beyond the next one.")] = 4,
+    num_layers: Annotated[int, typer.Option(min=1, help="Residual blocks per head.")] = 1,
+    draft_vocab: Annotated[int, typer.Option(min=1, help="Tokens the heads can draft (most predicted).")] = 16384,
+    tree_nodes: Annotated[int, typer.Option(min=1, help="Recommended draft tree size, saved with the heads.")] = 16,
+    epochs: Annotated[int, typer.Option(min=1)] = 2,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 64,
+    max_examples: Annotated[int, typer.Option(min=0, help="Examples per epoch (0: all).")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="Where the heads train: cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="The target's dtype for the data pass.")] = "auto",
+    threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
+    regenerate: Annotated[bool, typer.Option(help="Remake the cached data.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+) -> None:
+    """Train Medusa-1 heads on the frozen target (self-distilled from teacher-forced text)."""
+    from speculum.training.draft_heads import HeadSettings
+
+    settings = HeadSettings(
+        "medusa", num_heads=num_heads, num_layers=num_layers, draft_vocab=draft_vocab, epochs=epochs, lr=lr,
+        batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
+    )  # fmt: skip
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume)
+    _train_draft_heads("medusa", model, out, texts, max_tokens, settings, common)
+
+
+@train_app.command("ctc-drafter")
+def train_ctc_drafter(
+    out: Annotated[str, typer.Option(help="Checkpoint directory (also caches the distillation data).")],
+    model: Annotated[str, typer.Option(help="Target model.")] = "gemma-3-270m",
+    texts: TextsOption = DEFAULT_HEAD_TEXTS,
+    max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
+    slots: Annotated[int, typer.Option(min=1, help="Frames predicted at once.")] = 8,
+    label_length: Annotated[int, typer.Option(min=1, help="Target tokens the frames spell (CTC labels).")] = 4,
+    context: Annotated[int, typer.Option(min=1, help="Hidden states of the recent context it reads.")] = 16,
+    draft_vocab: Annotated[int, typer.Option(min=1, help="Tokens it can draft (most predicted).")] = 16384,
+    tree_nodes: Annotated[int, typer.Option(min=1, help="Recommended draft tree size, saved with it.")] = 16,
+    epochs: Annotated[int, typer.Option(min=1)] = 2,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    batch_size: Annotated[int, typer.Option(min=1)] = 64,
+    max_examples: Annotated[int, typer.Option(min=0, help="Examples per epoch (0: all).")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="Where it trains: cpu, cuda, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="The target's dtype for the data pass.")] = "auto",
+    threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
+    regenerate: Annotated[bool, typer.Option(help="Remake the cached data.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+) -> None:
+    """Train CTC-drafter's attention draft module (one transformer layer, CTC loss) on the frozen target."""
+    from speculum.training.draft_heads import HeadSettings
+
+    settings = HeadSettings(
+        "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
+        lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
+    )  # fmt: skip
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume)
+    _train_draft_heads("ctc", model, out, texts, max_tokens, settings, common)
 
 
 def _register_bench() -> None:

@@ -21,6 +21,8 @@ METHODS: dict[str, str] = {
     "anpd": "speculum.drafters.anpd:AnpdDrafter",
     "lookahead": "speculum.drafters.lookahead:LookaheadDrafter",
     "ouroboros": "speculum.drafters.ouroboros:OuroborosDrafter",
+    "medusa": "speculum.drafters.medusa:MedusaDrafter",
+    "ctc": "speculum.drafters.ctc:CTCDrafter",
 }
 
 

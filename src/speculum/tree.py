@@ -54,6 +54,28 @@ class Draft:
     def chain(cls, tokens: list[int], probs: torch.Tensor | list | None = None) -> Draft:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
 
+    @classmethod
+    def from_paths(cls, paths: list[list[int]], max_nodes: int | None = None) -> Draft:
+        """A deterministic draft holding every path (token sequences below the root) as a trie:
+        shared prefixes become shared nodes, so each node's depth, and with it its position id, is
+        its place in the sequence. Paths are taken in order (best first): once ``max_nodes`` nodes
+        exist, later paths only keep the prefix already in the trie."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for path in paths:
+            parent = -1
+            for token in path:
+                node = node_of.get((parent, token))
+                if node is None:
+                    if max_nodes is not None and len(tokens) >= max_nodes:
+                        break
+                    node = node_of[(parent, token)] = len(tokens)
+                    tokens.append(int(token))
+                    parents.append(parent)
+                parent = node
+        return cls(tokens, parents)
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -28,7 +28,16 @@ from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import SamplingParams, warp
 from speculum.tree import Draft, TokenTree
 
-__all__ = ["Draft", "DraftContext", "Drafter", "Outcome", "Resources", "TargetOutputs", "check_options"]
+__all__ = [
+    "Draft",
+    "DraftContext",
+    "Drafter",
+    "HiddenHistory",
+    "Outcome",
+    "Resources",
+    "TargetOutputs",
+    "check_options",
+]
 
 
 def check_options(method: str, options, ints: dict[str, int], bools: tuple[str, ...] = (), path: str = "") -> None:
@@ -194,3 +203,32 @@ class Drafter:
     def forwards(self) -> int:
         """Draft-model forward passes spent so far in this request (0 for model-free drafters)."""
         return 0
+
+
+class HiddenHistory:
+    """The target's last hidden states over the most recent committed positions, for head drafters.
+
+    Kept up to the token before the root (the root's own state comes with the next forward): from
+    the prefill at ``start``, then from each step's accepted path (``Outcome.target.hidden_states``:
+    the old root's state, then the accepted nodes').
+    """
+
+    def __init__(self, width: int):
+        self.width = width
+        self.states: torch.Tensor | None = None  # [<= width, hidden]
+
+    def start(self, ctx: DraftContext) -> None:
+        hidden = ctx.prefill_hidden
+        self.states = hidden[-self.width :] if hidden is not None and len(hidden) else None
+
+    def observe(self, outcome: Outcome) -> None:
+        new = outcome.target.hidden_states if outcome.target is not None else None
+        if new is None:
+            raise RuntimeError("the engine returned no hidden states to a drafter that wants them")
+        joined = new if self.states is None else torch.cat([self.states, new.to(self.states.dtype)])
+        self.states = joined[-self.width :]
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """The state at the position before the root, ``[hidden]``, or None before any."""
+        return None if self.states is None else self.states[-1]

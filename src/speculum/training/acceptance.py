@@ -39,6 +39,7 @@ from speculum.acceptance_head import AcceptanceHead, draft_fingerprint
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.poolfile import write_atomic
 from speculum.sampling import SamplingParams, warp
+from speculum.training.common import cached_tensors, split_by_text, torch_bytes
 from speculum.training.texts import TrainingText, encode
 
 DATA_FILE = "acceptance_data.safetensors"
@@ -136,21 +137,8 @@ def data_key(spec, texts: list[TrainingText], settings: DataSettings) -> str:
 
 def load_or_make_data(spec, texts, settings, cache: Path, regenerate: bool = False, progress: bool = True):
     """The data from ``cache`` when it was made from the same inputs, else made and cached (atomically)."""
-    from safetensors import safe_open
-    from safetensors.torch import save
-
     key = data_key(spec, texts, settings)
-    if cache.exists() and not regenerate:
-        try:
-            with safe_open(str(cache), "pt") as f:
-                if (f.metadata() or {}).get("key") == key:
-                    return {name: f.get_tensor(name) for name in f.keys()}, True  # noqa: SIM118 - not a dict
-        except Exception:  # noqa: BLE001 - an unreadable cache is remade
-            pass
-    data = make_data(spec, texts, settings, progress)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(cache, save(data, metadata={"key": key}), what="training data file", error=CheckpointError)
-    return data, False
+    return cached_tensors(cache, key, lambda: make_data(spec, texts, settings, progress), regenerate)
 
 
 @dataclass
@@ -171,15 +159,6 @@ def weighted_bce(logits: torch.Tensor, labels: torch.Tensor, w_rej: float) -> to
     accept_term = labels * torch.nn.functional.softplus(-logits)  # -log sigmoid(z)
     reject_term = w_rej * (1 - labels) * torch.nn.functional.softplus(logits)  # -log(1 - sigmoid(z))
     return (accept_term + reject_term).sum() / (labels + w_rej * (1 - labels)).sum().clamp_min(1e-8)
-
-
-def split_by_text(data: dict[str, torch.Tensor], val_fraction: float, seed: int):
-    texts = torch.unique(data["text"])
-    gen = torch.Generator().manual_seed(seed)
-    order = texts[torch.randperm(len(texts), generator=gen)]
-    n_val = max(1, round(len(texts) * val_fraction)) if len(texts) > 1 and val_fraction > 0 else 0
-    val = torch.isin(data["text"], order[:n_val])
-    return ~val, val
 
 
 def train_head(
@@ -254,7 +233,7 @@ def train_head(
         training = {**(info or {}), "settings": asdict(settings), "history": history}
         head.cpu().save(out, training=training)
         head.to(device)
-        blob = _torch_bytes({"optimizer": optimizer.state_dict(), "history": json.dumps(history)})
+        blob = torch_bytes({"optimizer": optimizer.state_dict(), "history": json.dumps(history)})
         write_atomic(state_file, blob, what="training state file", error=CheckpointError)
     return head.cpu().eval(), history
 
@@ -271,14 +250,6 @@ def evaluate(head: AcceptanceHead, data, mask: torch.Tensor, settings: TrainSett
     logits = head(x, q)
     accuracy = ((torch.sigmoid(logits) > 0.5) == (y > 0.5)).float().mean()
     return {"val_loss": float(weighted_bce(logits, y, settings.w_rej)), "val_accuracy": float(accuracy)}
-
-
-def _torch_bytes(obj) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def run(

@@ -1,0 +1,123 @@
+"""CTC-drafter (Wen, Gui, Feng 2024): one attention layer over the target's hidden states drafts
+``slots`` frames at once; the CTC transform turns its top-k alignments into a token tree.
+
+Each step: the module reads the target's last hidden states over the recent context (returned by
+the previous verification forward, or the prefill) and the root token's embedding, and gives every
+frame a distribution over the draft vocabulary plus a blank. The best alignments (one top-k choice
+per frame, highest total log-probability first) each go through the CTC transform: adjacent
+repeats merged, blanks dropped. The resulting sequences are inserted best first into a trie of at
+most ``tree_nodes`` nodes: shared prefixes share nodes, and a node's depth in the collapsed
+sequence gives its position id (the released code keeps the uncollapsed positions, one off after a
+merge, and reads the bonus token from a masked node; both break exactness). The shared verifier
+then accepts the longest matching path plus the target's own next token, greedy or sampled.
+
+``ctc_transform=False`` (ablation) drafts the frames' best non-blank tokens as they are.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from speculum.drafters.base import Draft, DraftContext, Drafter, HiddenHistory, Outcome, Resources, check_options
+from speculum.heads import resolve_draft_head
+
+DEFAULT_TREE_NODES = 16
+
+
+def ctc_collapse(frames: list[int], blank: int | None = None) -> list[int]:
+    """The CTC transform of one alignment: merge adjacent repeats, then drop blanks
+    (``[a, a, _, a, b, b] -> [a, a, b]``: a blank between two equal tokens keeps both)."""
+    out: list[int] = []
+    previous = None
+    for frame in frames:
+        if frame != previous and frame != blank:
+            out.append(frame)
+        previous = frame
+    return out
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
+    """``tokens`` up to and including the first end-of-sequence token (nothing is drafted past it)."""
+    for i, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def best_alignments(scores: list[list[float]], count: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The ``count`` best choices of one candidate per frame (``scores[t][c]``: log-probability of
+    frame t's c-th candidate, sorted descending), best total first."""
+    start = tuple(0 for _ in scores)
+    heap = [(-sum(row[0] for row in scores), start)]
+    seen = {start}
+    best = []
+    while heap and len(best) < count:
+        negative, choice = heapq.heappop(heap)
+        best.append((-negative, choice))
+        for t, c in enumerate(choice):
+            if c + 1 < len(scores[t]):
+                nxt = (*choice[:t], c + 1, *choice[t + 1 :])
+                if nxt not in seen:
+                    seen.add(nxt)
+                    heapq.heappush(heap, (negative + scores[t][c] - scores[t][c + 1], nxt))
+    return best
+
+
+@dataclass
+class Options:
+    heads: str | None = None  # checkpoint directory (speculum train ctc-drafter); None: the one shipped for the model
+    tree_nodes: int | None = None  # draft tree size; None: the checkpoint's recommendation (else 16)
+    top_k: int = 3  # candidates per frame (the blank included)
+    candidates: int = 48  # alignments enumerated before the trie is cut at tree_nodes
+    ctc_transform: bool = True  # False: each frame's best non-blank tokens as they are (ablation)
+
+    def __post_init__(self) -> None:
+        check_options("ctc", self, {"top_k": 1, "candidates": 1}, ("ctc_transform",), path="heads")
+        if self.tree_nodes is not None:
+            check_options("ctc", self, {"tree_nodes": 1})
+
+
+class CTCDrafter(Drafter):
+    name = "ctc"
+    wants_hidden_states = True
+
+    def __init__(self, options: Options, resources: Resources):
+        self.options = options
+        self.module = resolve_draft_head("ctc", options.heads, resources.target).to(resources.device)
+        inference = self.module.checkpoint_config.get("inference", {})
+        self.tree_nodes = options.tree_nodes or inference.get("tree_nodes", DEFAULT_TREE_NODES)
+        self.embeddings = resources.embeddings
+        self.history = HiddenHistory(self.module.context)
+
+    def start(self, ctx: DraftContext) -> None:
+        self.history.start(ctx)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        memory = self.history.states
+        if memory is None:
+            return None
+        device = self.module.fuse.weight.device
+        root = torch.tensor([ctx.tokens[-1]], device=self.embeddings.weight.device)
+        logits = self.module(memory[None].to(device), self.embeddings(root).to(device))[0]  # [slots, vocab + 1]
+        logprobs = logits.float().log_softmax(dim=-1)
+        blank = self.module.blank_index
+        if not self.options.ctc_transform:
+            logprobs[:, blank] = float("-inf")
+        top = logprobs.topk(min(self.options.top_k, logprobs.shape[-1]), dim=-1)
+        scores, frames = top.values.tolist(), top.indices.tolist()
+        vocab = self.module.projection.draft_vocab.tolist()
+        paths = []
+        for _, choice in best_alignments(scores, self.options.candidates):
+            alignment = [frames[t][c] for t, c in enumerate(choice)]
+            sequence = ctc_collapse(alignment, blank) if self.options.ctc_transform else alignment
+            tokens = [vocab[i] for i in sequence[: ctx.max_depth]]
+            paths.append(cut_at_eos(tokens, ctx.eos_token_ids))
+        draft = Draft.from_paths(paths, self.tree_nodes)
+        return draft if len(draft) else None
+
+    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        self.history.observe(outcome)

@@ -1,0 +1,117 @@
+"""Trained draft heads over the target's hidden states (Medusa heads, the CTC draft module): their
+checkpoints, and the ones that ship with speculum.
+
+A checkpoint directory holds ``draft_head.safetensors`` and ``config.json``: the kind (``medusa``
+or ``ctc``), the module's shape, the target it was trained for (hidden size, vocabulary size,
+fingerprint), inference defaults found at training time (Medusa's tree choices) and how it was
+trained. A head is refused with a clear error on another target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from speculum.errors import CheckpointError, InvalidInputError
+from speculum.heads.checkpoint import CONFIG, check_model, load_checkpoint, model_fingerprint, save_checkpoint
+from speculum.heads.ctc import CTCDraftModule
+from speculum.heads.medusa import MedusaHeads
+from speculum.heads.projection import lm_head_weight
+
+FORMAT = "speculum-draft-head"
+VERSION = 1
+WEIGHTS = "draft_head.safetensors"
+KINDS: dict[str, type[nn.Module]] = {"medusa": MedusaHeads, "ctc": CTCDraftModule}
+BUNDLED = Path(__file__).parent.parent / "data" / "draft_heads"  # shipped heads, one directory each
+
+
+def kind_of(module: nn.Module) -> str:
+    return next(kind for kind, cls in KINDS.items() if isinstance(module, cls))
+
+
+def save_draft_head(
+    module: nn.Module,
+    directory: str | os.PathLike[str],
+    target: nn.Module,
+    *,
+    inference: dict[str, Any] | None = None,
+    training: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Write ``module`` (trained for ``target``) as a checkpoint directory, atomically."""
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind_of(module),
+        "shape": module.shape(),
+        "hidden_size": module.hidden_size,
+        "vocab_size": int(lm_head_weight(target).shape[0]),
+        "model_fingerprint": model_fingerprint(target),
+        "inference": inference or {},
+        "training": training or {},
+    }
+    save_checkpoint(directory, WEIGHTS, module.state_dict(), config, dtype)
+
+
+def load_draft_head(directory: str | os.PathLike[str], kind: str, target: nn.Module | None = None) -> nn.Module:
+    """Read a checkpoint of ``kind``; with ``target``, check it was trained for it and attach the
+    target's LM-head rows. The config is kept as ``module.checkpoint_config``."""
+    where = str(directory)
+    config, state = load_checkpoint(directory, WEIGHTS, FORMAT, VERSION, "draft-head")
+    if config.get("kind") != kind:
+        raise CheckpointError(f"{where!r} holds {config.get('kind')!r} heads, not {kind!r}")
+    if target is not None:
+        check_model(config, target, f"{kind} checkpoint", where)
+    try:
+        module = KINDS[kind](**config["shape"], draft_vocab=state["projection.draft_vocab"])
+        module.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{kind} checkpoint {where!r} does not fit its config: {exc}") from None
+    module.checkpoint_config = config
+    if target is not None:
+        module.projection.attach(lm_head_weight(target))
+    return module.eval()
+
+
+def bundled_draft_head(kind: str, target: nn.Module) -> Path | None:
+    """The shipped checkpoint of ``kind`` trained for ``target`` (matched by fingerprint), if any."""
+    fingerprint = None
+    for config_path in sorted(BUNDLED.glob("*/" + CONFIG)):
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if config.get("kind") != kind:
+            continue
+        fingerprint = fingerprint or model_fingerprint(target)
+        if config.get("model_fingerprint") == fingerprint:
+            return config_path.parent
+    return None
+
+
+def resolve_draft_head(kind: str, path: str | os.PathLike[str] | None, target: nn.Module) -> nn.Module:
+    """The checkpoint a drafter uses: ``path`` if given, else the shipped one for ``target``."""
+    if path is None:
+        path = bundled_draft_head(kind, target)
+        if path is None:
+            command = "ctc-drafter" if kind == "ctc" else "medusa"
+            raise InvalidInputError(
+                f"no {kind} heads ship for this model: train them with `speculum train {command} --model MODEL "
+                f"--out DIR` and pass the directory (heads=DIR)"
+            )
+    return load_draft_head(path, kind, target)
+
+
+__all__ = [
+    "CTCDraftModule",
+    "MedusaHeads",
+    "bundled_draft_head",
+    "load_draft_head",
+    "resolve_draft_head",
+    "save_draft_head",
+]

@@ -1,0 +1,87 @@
+"""CTC-drafter's attention draft module (Wen, Gui, Feng 2024), as the paper describes it.
+
+ONE transformer layer predicts ``slots`` future frames at once (non-autoregressively; the released
+code drafts a greedy chain instead). Its inputs are what the loop has when a step begins: the
+target's last hidden states over the recent context (``memory``, the last one at position t-1)
+and the embedding of the root token (the target's own token at t, already committed). Each slot
+query is the fused (hidden state at t-1, root embedding) plus a learned slot embedding; the layer
+lets the slots attend to each other (no causal mask: they are predicted together) and to the
+memory. Each frame's output goes through the target's frozen LM head over the draft vocabulary
+(:mod:`speculum.heads.projection`) plus one extra logit: the CTC blank, a symbol of its own that
+is never a real token (the released code reuses token 0, ``<unk>``).
+
+Trained with torch's CTC loss against the target's next ``label_length`` tokens, so the frames
+may spread those tokens over the slots with blanks and repeats; at inference the CTC transform
+(blanks dropped, adjacent repeats merged, :func:`speculum.drafters.ctc.ctc_collapse`) turns each
+candidate alignment into a token sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from speculum.heads.projection import DraftVocabProjection
+
+
+class CTCDraftModule(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        draft_vocab: torch.Tensor,
+        slots: int = 8,
+        label_length: int = 4,
+        context: int = 16,
+        num_attention_heads: int | None = None,
+        ffn_size: int | None = None,
+    ):
+        super().__init__()
+        if slots < label_length or label_length < 1 or context < 1:
+            raise ValueError(f"bad CTC module shape: slots={slots}, label_length={label_length}, context={context}")
+        heads = num_attention_heads or max(1, hidden_size // 64)
+        if hidden_size % heads:
+            raise ValueError(f"hidden size {hidden_size} is not divisible by {heads} attention heads")
+        self.hidden_size = hidden_size
+        self.slots = slots
+        self.label_length = label_length
+        self.context = context
+        self.num_attention_heads = heads
+        self.ffn_size = ffn_size or 2 * hidden_size
+        self.norm_memory = nn.LayerNorm(hidden_size)
+        self.norm_token = nn.LayerNorm(hidden_size)
+        self.memory_position = nn.Parameter(torch.randn(context, hidden_size) * 0.02)  # last row: t-1
+        self.fuse = nn.Linear(2 * hidden_size, hidden_size)
+        self.slot_embedding = nn.Parameter(torch.randn(slots, hidden_size) * 0.02)
+        self.layer = nn.TransformerDecoderLayer(
+            hidden_size, heads, self.ffn_size, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.norm_out = nn.LayerNorm(hidden_size)
+        self.blank = nn.Linear(hidden_size, 1)
+        self.projection = DraftVocabProjection(draft_vocab, hidden_size)
+
+    def shape(self) -> dict:
+        """Constructor arguments besides the draft vocabulary (saved in the checkpoint's config)."""
+        names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size")
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def blank_index(self) -> int:
+        """The blank's index in the output (after the draft vocabulary's)."""
+        return len(self.projection.draft_vocab)
+
+    def forward(
+        self, memory: torch.Tensor, root_embedding: torch.Tensor, padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``memory [B, W, H]`` (W <= context, right-aligned: row -1 is position t-1), ``root_embedding
+        [B, H]``, ``padding [B, W]`` (True: no hidden state there, e.g. before the text began) ->
+        logits ``[B, slots, len(draft_vocab) + 1]``, the blank last."""
+        dtype = self.fuse.weight.dtype
+        width = memory.shape[1]
+        memory = self.norm_memory(memory.to(dtype)) + self.memory_position[self.context - width :]
+        base = self.fuse(torch.cat([memory[:, -1], self.norm_token(root_embedding.to(dtype))], dim=-1))
+        queries = base[:, None, :] + self.slot_embedding
+        keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
+        if padding is not None:
+            padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)
+        x = self.norm_out(self.layer(queries, keys, memory_key_padding_mask=padding))
+        return torch.cat([self.projection(x), self.blank(x)], dim=-1)

@@ -1,0 +1,388 @@
+"""Self-distillation for draft heads over the target's hidden states (``speculum train medusa`` and
+``speculum train ctc-drafter``): one data pass, one training loop, two kinds of heads.
+
+Data, the cheap way (the target writes ~3 tokens/s on a CPU, so it does not generate): one
+teacher-forced forward of the target over each training text gives, at every position, its last
+hidden state (the LM head's input, stored float16) and its own next-token prediction (argmax).
+Heads learn what *this target* would say: the labels are its predictions, not the text. What that
+costs: a label k places ahead was predicted after the text's tokens, which are not always the
+target's own, so deep labels are a little noisier than on the target's own output would be.
+The data is cached in the output directory and remade only when its inputs change (or when asked).
+
+Examples: every response position t whose next ``span`` labels lie in the same text is a root
+(the token the loop has just committed). Medusa head k reads the hidden state at t-1 and learns
+the label at t+k-1 (cross-entropy, head weights 0.8^k as Medusa); the CTC module reads the
+hidden states at t-W..t-1 and the root's embedding and learns the labels at t..t+L-1 with torch's
+CTC loss (its blank is its own symbol). Both predict over a draft vocabulary: the tokens the target
+predicts most often on the training text (labels outside it are not learnt; their share is
+reported as the vocabulary's coverage).
+
+Training: AdamW with linear decay, a validation split by text, validation loss, top-k hit rates per
+head position (Medusa; they also choose its default tree) and the mean length of the greedy draft's
+matching prefix, a checkpoint after every epoch and ``--resume`` from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from speculum.errors import CheckpointError, InvalidInputError
+from speculum.heads import CTCDraftModule, MedusaHeads, load_draft_head, save_draft_head
+from speculum.heads.checkpoint import model_fingerprint
+from speculum.heads.projection import lm_head_weight
+from speculum.poolfile import write_atomic
+from speculum.runner import ModelRunner
+from speculum.training.common import cached_tensors, split_by_text, torch_bytes
+from speculum.training.texts import TrainingText, encode
+
+DATA_FILE = "distill_data.safetensors"
+TOPK = 10  # hit rates measured per head position up to this rank
+
+
+@dataclass
+class DistillSettings:
+    max_tokens: int = 512  # per text
+
+
+@torch.inference_mode()
+def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True) -> dict:
+    """``hidden`` [N, H] float16, ``label`` [N] (the target's argmax after each position), ``token`` [N]
+    (the input token), ``text`` [N] (which text), ``response`` [N] (inside the response part)."""
+    from tqdm.auto import tqdm
+
+    runner = ModelRunner(spec.model, lazy_head=False)
+    columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("hidden", "label", "token", "text", "response")}
+    for index, text in enumerate(tqdm(texts, desc="distillation data", unit="text", disable=not progress)):
+        ids, start = encode(spec.tokenizer, text, settings.max_tokens)
+        if len(ids) - start < 2:
+            continue
+        inputs = torch.tensor([ids], device=runner.input_device)
+        if runner.split_head:  # the LM head in slices: a 262k-wide head over 512 rows is 0.5 GB of logits
+            states = spec.model.model(input_ids=inputs, use_cache=False).last_hidden_state[0]
+            labels = torch.cat([runner._head(chunk).argmax(-1) for chunk in states.split(64)])
+        else:
+            out = spec.model(input_ids=inputs, use_cache=False, output_hidden_states=True)
+            states, labels = out.hidden_states[-1][0], out.logits[0].argmax(-1)
+        n = len(ids)
+        columns["hidden"].append(states.to("cpu", torch.float16))
+        columns["label"].append(labels.cpu().long())
+        columns["token"].append(torch.tensor(ids))
+        columns["text"].append(torch.full((n,), index, dtype=torch.int32))
+        columns["response"].append(torch.arange(n) >= start)
+    if not columns["label"]:
+        raise InvalidInputError("the training texts gave no response positions (too short?)")
+    return {name: torch.cat(parts) for name, parts in columns.items()}
+
+
+def data_key(spec, texts: list[TrainingText], settings: DistillSettings) -> str:
+    h = hashlib.sha256(b"distill-v1")
+    h.update(model_fingerprint(spec.model).encode())
+    h.update(json.dumps(asdict(settings), sort_keys=True).encode())
+    for text in texts:
+        h.update(hashlib.sha256(f"{text.source}\0{text.instruction}\0{text.response}".encode()).digest())
+    return h.hexdigest()
+
+
+def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regenerate=False, progress=True):
+    return cached_tensors(cache, data_key(spec, texts, settings), lambda: make_data(spec, texts, settings, progress),
+                          regenerate)  # fmt: skip
+
+
+def choose_draft_vocab(data: dict[str, torch.Tensor], size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` tokens the target predicts most often on the response positions (ties: most
+    frequent input tokens first), and the share of those labels they cover."""
+    labels = data["label"][data["response"]]
+    vocab = int(max(int(data["label"].max()), int(data["token"].max())) + 1)
+    counts = torch.bincount(labels, minlength=vocab).double()
+    counts += torch.bincount(data["token"], minlength=vocab).double() * 1e-6  # break ties by text frequency
+    chosen = counts.argsort(descending=True)[: min(size, vocab)]
+    coverage = float(counts[chosen].floor().sum() / max(len(labels), 1))
+    return chosen.sort().values, coverage
+
+
+@dataclass
+class HeadSettings:
+    kind: str = "medusa"  # medusa | ctc
+    num_heads: int = 4  # medusa: heads (tokens guessed beyond the root)
+    num_layers: int = 1  # medusa: residual blocks per head
+    slots: int = 8  # ctc: frames predicted at once
+    label_length: int = 4  # ctc: target tokens the frames spell
+    context: int = 16  # ctc: hidden states it reads (t-W..t-1)
+    draft_vocab: int = 16384  # tokens the heads can draft (the most frequent targets' predictions)
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 64
+    val_fraction: float = 0.05
+    seed: int = 0
+    max_examples: int = 0  # per epoch, 0 = every example (a random subset otherwise)
+    tree_nodes: int = 16  # recommended draft tree size, saved with the heads
+
+    @property
+    def span(self) -> int:
+        return self.num_heads if self.kind == "medusa" else self.label_length
+
+    def check(self) -> None:
+        if self.kind not in ("medusa", "ctc"):
+            raise InvalidInputError(f"unknown head kind {self.kind!r}: medusa or ctc")
+        if self.kind == "ctc" and self.slots < self.label_length:
+            raise InvalidInputError(f"slots ({self.slots}) must be >= label_length ({self.label_length})")
+        for name in ("num_heads", "num_layers", "slots", "label_length", "context", "draft_vocab", "epochs"):
+            if getattr(self, name) < 1:
+                raise InvalidInputError(f"{name} must be >= 1")
+
+
+class Examples:
+    """Root positions usable for training and their batches (inputs gathered from the data)."""
+
+    def __init__(self, data: dict[str, torch.Tensor], span: int, context: int):
+        self.data = data
+        self.context = context
+        text = data["text"].long()
+        n = len(text)
+        index = torch.arange(n)
+        first = torch.zeros(n, dtype=torch.long)  # flat index where each position's text starts
+        starts = torch.ones(n, dtype=torch.bool)
+        starts[1:] = text[1:] != text[:-1]
+        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
+        self.first = first
+        last_ok = index + span - 1
+        same_text = (last_ok < n) & (text[last_ok.clamp(max=n - 1)] == text)
+        self.roots = index[data["response"] & (index - 1 >= first) & same_text]
+        self.span = span
+
+    def batch(self, roots: torch.Tensor, device) -> dict[str, torch.Tensor]:
+        hidden = self.data["hidden"]
+        offsets = torch.arange(-self.context, 0)
+        where = roots[:, None] + offsets
+        padding = where < self.first[roots][:, None]
+        memory = hidden[where.clamp(min=0)].float()
+        memory[padding] = 0.0
+        labels = self.data["label"][roots[:, None] + torch.arange(self.span)]
+        return {
+            "memory": memory.to(device),
+            "padding": padding.to(device),
+            "root": self.data["token"][roots].to(device),
+            "labels": labels.to(device),
+        }
+
+
+def build_module(settings: HeadSettings, hidden_size: int, draft_vocab: torch.Tensor):
+    if settings.kind == "medusa":
+        return MedusaHeads(hidden_size, settings.num_heads, draft_vocab, settings.num_layers)
+    return CTCDraftModule(hidden_size, draft_vocab, settings.slots, settings.label_length, settings.context)
+
+
+def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
+    """Target token ids -> draft-vocabulary indices (-1 where a token is not in it)."""
+    vocab = module.projection.draft_vocab
+    position = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
+    return torch.where(vocab[position] == labels, position, torch.full_like(position, -1))
+
+
+def module_logits(module, batch: dict[str, torch.Tensor], embeddings) -> torch.Tensor:
+    if isinstance(module, MedusaHeads):
+        return module(batch["memory"][:, -1])  # [B, heads, vocab]
+    with torch.no_grad():
+        root = embeddings(batch["root"].to(embeddings.weight.device)).float().to(batch["memory"].device)
+    return module(batch["memory"], root, batch["padding"])  # [B, slots, vocab + 1]
+
+
+def loss_of(module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Medusa: cross-entropy per head weighted 0.8^k; CTC: torch's CTC loss (rows whose labels are
+    not all in the draft vocabulary are left out)."""
+    if isinstance(module, MedusaHeads):
+        weights = 0.8 ** torch.arange(targets.shape[1], device=logits.device, dtype=logits.dtype)
+        known_targets = targets.masked_fill(targets < 0, -100)
+        per_head = F.cross_entropy(logits.transpose(1, 2), known_targets, ignore_index=-100, reduction="none")
+        known = (targets >= 0).float()
+        return ((per_head * known).sum(0) / known.sum(0).clamp(min=1) * weights).sum() / weights.sum()
+    usable = (targets >= 0).all(dim=1)
+    if not bool(usable.any()):
+        return logits.sum() * 0.0
+    logprobs = logits[usable].float().log_softmax(-1).transpose(0, 1)  # [slots, B, vocab + 1]
+    batch = logprobs.shape[1]
+    lengths = torch.full((batch,), logprobs.shape[0], dtype=torch.long)
+    target_lengths = torch.full((batch,), targets.shape[1], dtype=torch.long)
+    return F.ctc_loss(logprobs, targets[usable], lengths, target_lengths, blank=module.blank_index,
+                      zero_infinity=True)  # fmt: skip
+
+
+def greedy_draft(module, logits: torch.Tensor) -> list[list[int]]:
+    """Each row's single best draft (draft-vocabulary indices): top-1 per head, or the best
+    alignment collapsed (CTC)."""
+    from speculum.drafters.ctc import ctc_collapse
+
+    best = logits.argmax(-1).tolist()
+    if isinstance(module, MedusaHeads):
+        return best
+    return [ctc_collapse(row, module.blank_index) for row in best]
+
+
+@torch.no_grad()
+def evaluate(module, examples: Examples, roots: torch.Tensor, embeddings, device, batch_size: int = 256) -> dict:
+    """Validation loss, the greedy draft's mean matching prefix (tokens a greedy target would
+    accept), and for Medusa the hit rate of each rank per head (``topk_accuracy[k][c]``)."""
+    module.eval()
+    total, count, matched = 0.0, 0, 0
+    hits = torch.zeros(examples.span, TOPK)
+    for chunk in roots.split(batch_size):
+        batch = examples.batch(chunk, device)
+        logits = module_logits(module, batch, embeddings)
+        targets = to_draft_index(module, batch["labels"])
+        total += float(loss_of(module, logits, targets)) * len(chunk)
+        count += len(chunk)
+        for draft, target in zip(greedy_draft(module, logits), targets.tolist(), strict=True):
+            for got, want in zip(draft, target, strict=False):
+                if got != want:
+                    break
+                matched += 1
+        if isinstance(module, MedusaHeads):
+            top = logits.topk(TOPK, dim=-1).indices  # [B, heads, TOPK]
+            hits += (top == targets[..., None]).float().sum(0).cpu()
+    metrics = {"val_loss": total / max(count, 1), "val_accepted_prefix": matched / max(count, 1)}
+    if isinstance(module, MedusaHeads):
+        rates = (hits / max(count, 1)).tolist()
+        metrics["topk_accuracy"] = [[round(r, 5) for r in row] for row in rates]
+        metrics["top1"] = [round(row[0], 4) for row in rates]
+        metrics["top5"] = [round(sum(row[:5]), 4) for row in rates]
+    return metrics
+
+
+def train(
+    spec,
+    data: dict[str, torch.Tensor],
+    settings: HeadSettings,
+    out: Path,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    progress: bool = True,
+    info: dict[str, Any] | None = None,
+    log=print,
+):
+    """Train (or resume) heads of ``settings.kind`` on ``data``; a checkpoint in ``out`` after every
+    epoch. Returns the module and the per-epoch metrics."""
+    from tqdm.auto import tqdm
+
+    settings.check()
+    torch.manual_seed(settings.seed)
+    draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab)
+    module = build_module(settings, data["hidden"].shape[1], draft_vocab)
+    embeddings = spec.model.get_input_embeddings()
+    examples = Examples(data, settings.span, settings.context)
+    train_mask, val_mask = split_by_text({"text": data["text"][examples.roots]}, settings.val_fraction, settings.seed)
+    train_roots, val_roots = examples.roots[train_mask], examples.roots[val_mask]
+    if len(train_roots) == 0:
+        raise InvalidInputError("no training examples: give more (or longer) texts")
+    per_epoch = min(len(train_roots), settings.max_examples or len(train_roots))
+    steps_per_epoch = math.ceil(per_epoch / settings.batch_size)
+    history: list[dict[str, Any]] = []
+    state_file = out / "train_state.pt"
+    if resume and state_file.exists():
+        saved = load_draft_head(out, settings.kind)
+        if saved.shape() != module.shape() or not torch.equal(saved.projection.draft_vocab, draft_vocab):
+            raise CheckpointError(f"cannot resume {str(out)!r}: it holds heads of another shape or vocabulary")
+        module.load_state_dict(saved.state_dict())
+    module.projection.attach(lm_head_weight(spec.model))
+    module.to(device)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=settings.lr)
+    total_steps = steps_per_epoch * settings.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total_steps))
+    if resume and state_file.exists():
+        state = torch.load(state_file, weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        history = json.loads(state["history"])
+        log(f"resuming after epoch {len(history)}")
+    log(
+        f"{settings.kind}: {len(train_roots)} training / {len(val_roots)} validation examples; draft vocabulary "
+        f"{len(draft_vocab)} tokens covering {coverage:.1%} of the target's predictions"
+    )
+    gen = torch.Generator().manual_seed(settings.seed + len(history))
+    started = time.perf_counter()
+    for epoch in range(len(history), settings.epochs):
+        module.train()
+        order = train_roots[torch.randperm(len(train_roots), generator=gen)[:per_epoch]]
+        total, count = 0.0, 0
+        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not progress)
+        for step in bar:
+            roots = order[step * settings.batch_size : (step + 1) * settings.batch_size]
+            batch = examples.batch(roots, device)
+            logits = module_logits(module, batch, embeddings)
+            loss = loss_of(module, logits, to_draft_index(module, batch["labels"]))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            total += loss.item() * len(roots)
+            count += len(roots)
+            bar.set_postfix(loss=f"{total / max(count, 1):.4f}")
+        metrics = {"epoch": epoch + 1, "train_loss": total / max(count, 1)}
+        metrics.update(evaluate(module, examples, val_roots, embeddings, device))
+        history.append(metrics)
+        shown = {k: v for k, v in metrics.items() if k != "topk_accuracy"}
+        log(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in shown.items() if k != "epoch"))  # fmt: skip
+        inference = {"tree_nodes": settings.tree_nodes}
+        if "topk_accuracy" in metrics:
+            inference["topk_accuracy"] = metrics["topk_accuracy"]
+        training = {
+            **(info or {}),
+            "settings": asdict(settings),
+            "draft_vocab_coverage": round(coverage, 4),
+            "examples": {"train": len(train_roots), "validation": len(val_roots)},
+            "seconds": round(time.perf_counter() - started, 1),
+            "history": history,
+        }
+        save_draft_head(module, out, spec.model, inference=inference, training=training)
+        blob = torch_bytes(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "history": json.dumps(history)}
+        )
+        write_atomic(state_file, blob, what="training state file", error=CheckpointError)
+    return module.cpu().eval(), history
+
+
+def run(
+    spec,
+    texts: list[TrainingText],
+    out: Path,
+    data_settings: DistillSettings,
+    settings: HeadSettings,
+    *,
+    device: str = "cpu",
+    regenerate: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+    log=print,
+):
+    """Data (cached in ``out``) then training: what ``speculum train medusa|ctc-drafter`` does."""
+    settings.check()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    data, cached = load_or_make_data(spec, texts, data_settings, out / DATA_FILE, regenerate, progress)
+    data_time = time.perf_counter() - t0
+    size = sum(t.numel() * t.element_size() for t in data.values())
+    log(
+        f"data: {len(data['label'])} positions from {len(texts)} texts "
+        f"({'cached' if cached else f'{data_time:.0f} s'}, {size / 2**20:.0f} MB)"
+    )
+    info = {
+        "target": getattr(spec, "name", None),
+        "data": {**asdict(data_settings), "positions": len(data["label"]), "texts": len(texts),
+                 "seconds": round(data_time, 1), "megabytes": round(size / 2**20, 1)},
+    }  # fmt: skip
+    t1 = time.perf_counter()
+    module, history = train(spec, data, settings, out, device=device, resume=resume, progress=progress,
+                            info=info, log=log)  # fmt: skip
+    log(f"training: {time.perf_counter() - t1:.0f} s; checkpoint in {out}")
+    return module, history

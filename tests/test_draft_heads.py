@@ -1,0 +1,297 @@
+"""Medusa heads and the CTC drafter: the CTC transform, trees, checkpoints, training, losslessness."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from speculum.drafters.ctc import best_alignments, ctc_collapse, cut_at_eos
+from speculum.errors import CheckpointError, InvalidInputError
+from speculum.heads import load_draft_head
+from speculum.heads.checkpoint import model_fingerprint
+from speculum.heads.medusa import sparse_tree
+from speculum.tree import Draft, TokenTree
+
+from helpers import build_drafter, generate_ids, save_random_heads
+from tiny_models import ARCHS, VOCAB, reference_greedy, repetitive_prompt, tiny_config, tiny_model
+
+BLANK = 99
+
+
+# ---------------------------------------------------------------- the CTC transform and trees
+
+
+def test_ctc_collapse_drops_blanks_and_merges_repeats():
+    assert ctc_collapse([5, 5, BLANK, 5, 7, 7, BLANK], BLANK) == [5, 5, 7]
+    assert ctc_collapse([BLANK, BLANK], BLANK) == []
+    assert ctc_collapse([3, BLANK, BLANK, 4], BLANK) == [3, 4]
+    assert ctc_collapse([3, 3, 3]) == [3]  # no blank symbol: repeats only (Medusa + transform ablation)
+
+
+def test_collapsed_paths_get_positions_of_their_collapsed_depth():
+    """[a, a, b] and [a, _, b] both collapse to [a, b]: one shared path, b at depth 2 (position
+    past + 2), not at its frame index 3 (the released code's off-by-one)."""
+    a, b, c = 10, 11, 12
+    paths = [ctc_collapse(f, BLANK) for f in ([a, a, b], [a, BLANK, b], [a, c, BLANK])]
+    draft = Draft.from_paths(paths)
+    assert draft.tokens == [a, b, c] and draft.parents == [-1, 0, 0]
+    tree = TokenTree.from_draft(7, draft)
+    assert tree.position_ids(50).tolist() == [50, 51, 52, 52]
+    mask = tree.ancestor_mask
+    assert mask[2].tolist() == [True, True, True, False]  # b sees root, a, itself; not its sibling c
+
+
+def test_from_paths_keeps_the_best_paths_within_the_budget():
+    draft = Draft.from_paths([[1, 2, 3], [1, 4], [5, 6, 7]], max_nodes=4)
+    assert draft.tokens == [1, 2, 3, 4]  # [5, 6, 7] did not fit
+    assert Draft.from_paths([[], [1]]).tokens == [1]
+
+
+def test_cut_at_eos():
+    assert cut_at_eos([4, 2, 5], {2}) == [4, 2]
+    assert cut_at_eos([4, 5], {2}) == [4, 5]
+
+
+def test_best_alignments_are_the_top_products_in_order():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(4, 3, generator=gen).log().sort(dim=-1, descending=True).values.tolist()
+    best = best_alignments(scores, 10)
+    brute = sorted(
+        ((sum(scores[t][c] for t, c in enumerate(choice)), choice) for choice in itertools.product(range(3), repeat=4)),
+        reverse=True,
+    )[:10]
+    assert [choice for _, choice in best] == [choice for _, choice in brute]
+    assert all(math.isclose(x, y) for (x, _), (y, _) in zip(best, brute, strict=True))
+
+
+def test_sparse_tree_is_prefix_closed_and_follows_expected_acceptance():
+    accuracy = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    tree = sparse_tree(accuracy, 6)
+    assert tree[0] == (0,) and len(tree) == 6
+    assert all(path[:-1] in tree for path in tree if len(path) > 1)
+    score = {p: math.prod(accuracy[d][c] for d, c in enumerate(p)) for p in tree}
+    assert list(score.values()) == sorted(score.values(), reverse=True)
+    # every path left out scores no more than the worst one chosen
+    left_out = [p for n in (1, 2, 3) for p in itertools.product(range(3), repeat=n) if p not in tree]
+    assert max(math.prod(accuracy[d][c] for d, c in enumerate(p)) for p in left_out) <= min(score.values())
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ctc"])
+def test_checkpoint_round_trip(kind, llama, tmp_path):
+    path = save_random_heads(kind, llama, tmp_path / kind)
+    loaded = load_draft_head(path, kind, llama)
+    again = load_draft_head(path, kind, llama)
+    for (name, a), b in zip(loaded.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    hidden = torch.randn(1, 4, llama.config.hidden_size)
+    if kind == "medusa":
+        assert loaded(hidden[:, -1]).shape == (1, 3, VOCAB)
+    else:
+        assert loaded(hidden, torch.randn(1, llama.config.hidden_size)).shape == (1, 6, VOCAB + 1)
+        assert loaded.blank_index == VOCAB
+    # the projection is the target's own LM head
+    assert torch.equal(loaded.projection.weight, llama.get_output_embeddings().weight.float())
+
+
+def test_checkpoints_are_refused_on_another_model_or_when_corrupt(llama, tmp_path):
+    path = save_random_heads("medusa", llama, tmp_path / "m")
+    wider = tiny_config("llama")
+    wider.hidden_size = 48
+    with pytest.raises(CheckpointError, match="another model"):
+        load_draft_head(path, "medusa", tiny_model("llama", seed=5))
+    with pytest.raises(CheckpointError, match="hidden states of size"):
+        load_draft_head(path, "medusa", AutoModelForCausalLM.from_config(wider))
+    with pytest.raises(CheckpointError, match="vocabulary"):
+        load_draft_head(path, "medusa", tiny_model("llama", vocab_size=80))
+    with pytest.raises(CheckpointError, match="'medusa' heads, not 'ctc'"):
+        load_draft_head(path, "ctc", llama)
+    weights = tmp_path / "m" / "draft_head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7] + b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_draft_head(path, "medusa", llama)
+    with pytest.raises(CheckpointError, match="not a draft-head checkpoint"):
+        load_draft_head(tmp_path, "medusa", llama)
+
+
+def test_no_heads_for_the_model_is_a_clear_error(llama):
+    with pytest.raises(InvalidInputError, match="speculum train medusa"):
+        build_drafter("medusa", target=llama)
+    with pytest.raises(InvalidInputError, match="speculum train ctc-drafter"):
+        build_drafter("ctc", target=llama)
+
+
+def test_bad_options_are_refused(llama, tmp_path):
+    path = save_random_heads("medusa", llama, tmp_path / "m")
+    with pytest.raises(InvalidInputError, match="tree_choices"):
+        build_drafter("medusa", target=llama, heads=path, tree_choices=[[0], []])
+    with pytest.raises(InvalidInputError, match="need 5 heads"):
+        build_drafter("medusa", target=llama, heads=path, tree_choices=[[0, 0, 0, 0, 0]])
+    with pytest.raises(InvalidInputError, match="tree_nodes"):
+        build_drafter("ctc", target=llama, heads=path, tree_nodes=0)
+
+
+def test_fingerprint_does_not_depend_on_the_dtype(llama):
+    """dtype="auto" loads float32 on some CPUs, bfloat16 on others: shipped heads must match both."""
+    assert model_fingerprint(llama) == model_fingerprint(tiny_model("llama").to(torch.bfloat16))
+    assert model_fingerprint(llama) != model_fingerprint(tiny_model("llama", seed=1))
+
+
+# ---------------------------------------------------------------- losslessness
+
+NEW = 32
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    heads = {kind: save_random_heads(kind, model, path / kind) for kind in ("medusa", "ctc")}
+    prompts = [repetitive_prompt(24, 5, 0), repetitive_prompt(9, 4, 2), [5]]
+    return model, heads, prompts, [reference_greedy(model, p, NEW) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("medusa", {}),
+        ("medusa", {"ctc_transform": True, "tree_nodes": 24}),
+        ("medusa", {"tree_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
+        ("ctc", {}),
+        ("ctc", {"ctc_transform": False, "tree_nodes": 8}),
+    ],
+)
+def test_greedy_output_equals_plain_decoding(arch, kind, params):
+    model, heads, prompts, refs = arch
+    drafter = build_drafter(kind, target=model, heads=heads[kind], **params)
+    drafted = 0
+    for prompt, ref in zip(prompts, refs, strict=True):
+        out, stats = generate_ids(model, prompt, drafter, NEW)
+        assert out == ref
+        drafted += stats.drafted_tokens
+    assert drafted > 0
+
+
+def test_the_heads_read_the_targets_hidden_state_before_the_root(llama, tmp_path):
+    """What the drafter holds when it proposes is the target's last hidden state at every
+    position before the root, as one full forward over the committed tokens computes it."""
+    from speculum.drafters.medusa import MedusaDrafter
+
+    seen = []
+
+    class Recording(MedusaDrafter):
+        def propose(self, ctx):
+            seen.append((list(ctx.tokens), self.history.states.clone()))
+            return super().propose(ctx)
+
+    path = save_random_heads("ctc", llama, tmp_path / "c")  # (medusa heads also read them: any checkpoint)
+    drafter = build_drafter("medusa", target=llama, heads=save_random_heads("medusa", llama, tmp_path / "m"))
+    drafter.__class__ = Recording
+    drafter.history.width = 6
+    generate_ids(llama, repetitive_prompt(12, 4, 1), drafter, 20)
+    assert path and len(seen) > 3
+    for tokens, states in seen:
+        with torch.no_grad():
+            full = llama.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        torch.testing.assert_close(states, full[-len(states) :], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def speculum_llama(model_dir):
+    import speculum
+
+    return speculum.load(model_dir, dtype="float32", prepack=False)
+
+
+def _toy_texts(tmp_path):
+    """A learnable toy task: texts cycling through one of six short motifs (validation texts hold
+    the same motifs, so what the heads learn carries over)."""
+    gen = torch.Generator().manual_seed(0)
+    motifs = [[f"w{i}" for i in torch.randint(3, VOCAB, (4,), generator=gen).tolist()] for _ in range(6)]
+    path = tmp_path / "toy"
+    path.mkdir()
+    for i in range(40):
+        (path / f"t{i}.txt").write_text(" ".join(motifs[i % 6] * 12))
+    return str(path), motifs
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ctc"])
+def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_path):
+    from speculum.training import draft_heads
+    from speculum.training.texts import training_texts
+
+    source, motifs = _toy_texts(tmp_path)
+    texts = training_texts(source)
+    out = tmp_path / "out"
+    settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
+                                        epochs=3, lr=1e-2, batch_size=32, val_fraction=0.2)  # fmt: skip
+    data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
+    examples = draft_heads.Examples(data, settings.span, settings.context)
+    vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
+    assert len(vocab) == 48 and 0.5 < coverage <= 1.0
+    untrained = draft_heads.build_module(settings, data["hidden"].shape[1], vocab)
+    untrained.projection.attach(speculum_llama.model.get_output_embeddings().weight)
+    embeddings = speculum_llama.model.get_input_embeddings()
+    _, val = draft_heads.split_by_text({"text": data["text"][examples.roots]}, 0.2, 0)
+    before = draft_heads.evaluate(untrained, examples, examples.roots[val], embeddings, "cpu")
+    module, history = draft_heads.run(speculum_llama, texts, out, draft_heads.DistillSettings(), settings,
+                                      progress=False, log=lambda _: None)  # fmt: skip
+    assert history[-1]["val_loss"] < 0.8 * before["val_loss"]
+    assert history[-1]["val_accepted_prefix"] > before["val_accepted_prefix"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["kind"] == kind and config["training"]["history"] == history
+    if kind == "medusa":
+        assert len(config["inference"]["topk_accuracy"]) == 3
+    # resume: one more epoch from the checkpoint, the first epoch's metrics kept
+    settings.epochs = 4
+    _, resumed = draft_heads.run(speculum_llama, texts, out, draft_heads.DistillSettings(), settings,
+                                 resume=True, progress=False, log=lambda _: None)  # fmt: skip
+    assert len(resumed) == 4 and resumed[:3] == history
+    # the trained heads draft, and stay exact
+    prompt = speculum_llama.tokenizer(" ".join(motifs[1] * 3))["input_ids"]
+    drafter = build_drafter(kind, target=speculum_llama.model, heads=str(out))
+    ref = reference_greedy(speculum_llama.model, prompt, 24)
+    got, stats = generate_ids(speculum_llama.model, prompt, drafter, 24)
+    assert got == ref and stats.accepted_tokens > 0
+
+
+def test_the_draft_vocabulary_keeps_the_most_predicted_tokens():
+    from speculum.training.draft_heads import choose_draft_vocab
+
+    data = {
+        "label": torch.tensor([5, 5, 5, 7, 7, 9, 1]),
+        "token": torch.tensor([1, 2, 3, 4, 5, 6, 7]),
+        "response": torch.tensor([True] * 6 + [False]),
+    }
+    vocab, coverage = choose_draft_vocab(data, 2)
+    assert vocab.tolist() == [5, 7] and coverage == pytest.approx(5 / 6)
+
+
+def test_loss_weighting_and_masks():
+    from speculum.heads import MedusaHeads
+    from speculum.training.draft_heads import loss_of, to_draft_index
+
+    heads = MedusaHeads(8, 2, torch.tensor([3, 5, 9]))
+    assert to_draft_index(heads, torch.tensor([[5, 4], [9, 3]])).tolist() == [[1, -1], [2, 0]]
+    logits = torch.zeros(2, 2, 3)
+    logits[:, 1, :] = torch.tensor([5.0, 0.0, 0.0])  # head 2 sure of index 0
+    targets = torch.tensor([[1, 0], [2, 0]])
+    ce0, ce1 = math.log(3), float(torch.nn.functional.cross_entropy(torch.tensor([[5.0, 0, 0]]), torch.tensor([0])))
+    expected = (ce0 * 1 + ce1 * 0.8) / 1.8
+    assert float(loss_of(heads, logits, targets)) == pytest.approx(expected, rel=1e-5)
+    # a label outside the draft vocabulary carries no loss
+    masked = torch.tensor([[1, -1], [2, -1]])
+    assert float(loss_of(heads, logits, masked)) == pytest.approx(ce0 / 1.8, rel=1e-5)
