@@ -34,6 +34,8 @@ class GenerationResult:
 class StreamChunk:
     text: str  # the new text since the previous chunk
     token_ids: list[int]  # the tokens committed in this step
+    # how many of token_ids (the first ones) are accepted draft tokens; the rest is the target's own token
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -156,9 +158,18 @@ class Speculum:
     def _stream(self, steps, prompt_ids, stats, method, holder: GenerationStream) -> Iterator[StreamChunk]:
         new_ids: list[int] = []
         text = IncrementalText(self.decode)
-        for step in steps:
-            new_ids.extend(step)
-            yield StreamChunk(text.add(new_ids), step)
+        accepted = 0  # stats.accepted_tokens before this step
+        try:
+            for step in steps:
+                new_ids.extend(step)
+                # a step commits the accepted draft tokens first, then the target's one (cut at EOS/length)
+                drafted = min(len(step), stats.accepted_tokens - accepted)
+                accepted = stats.accepted_tokens
+                yield StreamChunk(text.add(new_ids), step, drafted)
+        except GeneratorExit:  # the reader closed the stream: end the request now, keep what it produced
+            steps.close()
+            holder.result = GenerationResult(self.decode(new_ids), new_ids, prompt_ids, stats, method)
+            raise
         full = self.decode(new_ids)
         tail = text.finish(full)
         if tail:

@@ -501,6 +501,91 @@ def train_ctc_drafter(
     _train_draft_heads("ctc", model, out, texts, max_tokens, settings, common)
 
 
+@app.command()
+def serve(
+    model: Annotated[
+        str | None, typer.Option(help="Packaged alias, hub id, local path or .gguf file. [default: gemma-3-270m]")
+    ] = None,
+    draft: Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")] = None,
+    method: Annotated[
+        str | None, typer.Option(help="The method of requests that name none (each request may pick its own).")
+    ] = None,
+    config: Annotated[str | None, typer.Option(help="A config file from `speculum tune --out`.")] = None,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(help="Method parameter key=value (repeatable); pool_path=FILE keeps the pool across restarts."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind; loopback by default.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SPECULUM_API_KEY", help="Every endpoint but /health then needs 'Authorization: Bearer KEY'."
+        ),
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="The name clients send as 'model'.")] = None,
+    max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait; more get 503 + Retry-After.")] = 128,
+    request_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds a request may take, queueing included.")
+    ] = 600.0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may ask for.")] = 4096,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
+    draft_device: Annotated[str | None, typer.Option(help="Put the draft model on another device.")] = None,
+    gguf_file: Annotated[str | None, typer.Option(help="GGUF file name inside --model.")] = None,
+    prepack: Annotated[bool, typer.Option(help="oneDNN-prepacked float32 weights on CPU (faster).")] = True,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a
+    live page at /. Requests run one at a time; the others wait in a bounded queue."""
+    import speculum
+
+    try:
+        from speculum.server import ServerSettings
+        from speculum.server import serve as run_server
+    except ImportError as error:
+        fail(f"speculum serve needs the server extra: pip install 'speculum[server]' ({error})")
+    try:
+        params = parse_params(param or [])
+        if config is not None:
+            file_config = speculum.SpeculativeConfig.from_file(config)
+            if method is not None and method != file_config.method:
+                fail(f"--method {method} contradicts the config file's method {file_config.method}")
+            spec_config = speculum.SpeculativeConfig.coerce(file_config, **params)
+            model = model or file_config.metadata.get("model")
+            draft = draft or file_config.metadata.get("draft")
+        else:
+            spec_config = speculum.SpeculativeConfig.coerce(method or "anpd", **params)
+        model = model or "gemma-3-270m"
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            err.print(
+                f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it may use it"
+            )
+        with err.status(f"loading {model}" + (f" + {draft}" if draft else "")):
+            spec = speculum.load(
+                model,
+                draft,
+                dtype=dtype,
+                device=device,
+                draft_device=draft_device,
+                gguf_file=gguf_file,
+                prepack="auto" if prepack else False,
+            )
+        spec.default_config = spec_config
+        settings = ServerSettings(
+            model_name=served_model_name or model,
+            api_key=api_key or None,
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+            max_tokens_limit=max_tokens,
+            default_max_tokens=min(256, max_tokens),
+        )
+        err.print(f"speculum serve: {model} ({spec_config!r}) on http://{host}:{port}/", highlight=False)
+        run_server(spec, settings, host=host, port=port, log_level=log_level)
+    except SpeculumError as error:
+        fail(str(error))
+
+
 def _register_bench() -> None:
     from speculum.bench.command import bench
 
