@@ -194,12 +194,11 @@ def test_the_heads_read_the_targets_hidden_state_before_the_root(llama, tmp_path
             seen.append((list(ctx.tokens), self.history.states.clone()))
             return super().propose(ctx)
 
-    path = save_random_heads("ctc", llama, tmp_path / "c")  # (medusa heads also read them: any checkpoint)
     drafter = build_drafter("medusa", target=llama, heads=save_random_heads("medusa", llama, tmp_path / "m"))
     drafter.__class__ = Recording
     drafter.history.width = 6
     generate_ids(llama, repetitive_prompt(12, 4, 1), drafter, 20)
-    assert path and len(seen) > 3
+    assert len(seen) > 3
     for tokens, states in seen:
         with torch.no_grad():
             full = llama.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
@@ -295,3 +294,32 @@ def test_loss_weighting_and_masks():
     # a label outside the draft vocabulary carries no loss
     masked = torch.tensor([[1, -1], [2, -1]])
     assert float(loss_of(heads, logits, masked)) == pytest.approx(ce0 / 1.8, rel=1e-5)
+
+
+def test_shipped_heads_are_found_by_the_targets_fingerprint(llama, tmp_path, monkeypatch):
+    import speculum.heads as heads
+
+    monkeypatch.setattr(heads, "BUNDLED", tmp_path / "shipped")
+    save_random_heads("ctc", llama, tmp_path / "trained")
+    from speculum.heads.checkpoint import load_checkpoint, save_checkpoint
+
+    config, tensors = load_checkpoint(tmp_path / "trained", heads.WEIGHTS, heads.FORMAT, heads.VERSION, "draft-head")
+    config.pop("weights_sha256")
+    save_checkpoint(tmp_path / "shipped" / "tiny-ctc", heads.WEIGHTS, tensors, config, dtype=torch.bfloat16)
+    drafter = build_drafter("ctc", target=llama)  # no heads=: the shipped module for this target
+    assert drafter.module.slots == 6
+    with pytest.raises(InvalidInputError, match="no medusa heads ship"):
+        build_drafter("medusa", target=llama)  # only a ctc module ships here
+    with pytest.raises(InvalidInputError, match="no ctc heads ship"):
+        build_drafter("ctc", target=tiny_model("llama", seed=3))
+
+
+def test_the_shipped_heads_are_intact():
+    """Every checkpoint in the package loads (checksum, shape) and draws from its own draft vocabulary."""
+    from speculum.heads import BUNDLED, WEIGHTS, load_draft_head
+
+    for directory in sorted(p.parent for p in BUNDLED.glob("*/" + WEIGHTS)):
+        config = json.loads((directory / "config.json").read_text())
+        module = load_draft_head(directory, config["kind"])
+        assert config["model_fingerprint"] and len(module.projection.draft_vocab) > 1000
+        assert config["training"]["history"], "shipped heads record how they were trained"

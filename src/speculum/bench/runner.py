@@ -318,6 +318,9 @@ def run_speculum(
     for k in ("discard_rate", "verification_rate", "stop_reason"):
         if k in stats:
             rec[k] = stats[k]
+    drafter_stats = spec.drafter_for(config).request_stats() if hasattr(spec, "drafter_for") else {}
+    if drafter_stats:
+        rec["drafter"] = drafter_stats
     return rec
 
 

@@ -199,6 +199,11 @@ class Drafter:
     def finish(self, ctx: DraftContext) -> None:
         """The request is over (``ctx.tokens`` holds every committed token): persistent pools learn the end."""
 
+    def request_stats(self) -> dict:
+        """What this drafter measured about the last request beyond the engine's Stats (benchmarks
+        record it), e.g. the time spent turning head outputs into a tree."""
+        return {}
+
     @property
     def forwards(self) -> int:
         """Draft-model forward passes spent so far in this request (0 for model-free drafters)."""

@@ -17,6 +17,7 @@ then accepts the longest matching path plus the target's own next token, greedy 
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +91,15 @@ class CTCDrafter(Drafter):
         inference = self.module.checkpoint_config.get("inference", {})
         self.tree_nodes = options.tree_nodes or inference.get("tree_nodes", DEFAULT_TREE_NODES)
         self.embeddings = resources.embeddings
+        self.time_tree = 0.0
         self.history = HiddenHistory(self.module.context)
 
     def start(self, ctx: DraftContext) -> None:
         self.history.start(ctx)
+        self.time_tree = 0.0  # seconds spent building trees from the heads' outputs (the CTC transform included)
+
+    def request_stats(self) -> dict:
+        return {"time_tree": self.time_tree}
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft | None:
@@ -108,6 +114,7 @@ class CTCDrafter(Drafter):
         if not self.options.ctc_transform:
             logprobs[:, blank] = float("-inf")
         top = logprobs.topk(min(self.options.top_k, logprobs.shape[-1]), dim=-1)
+        started = time.perf_counter()
         scores, frames = top.values.tolist(), top.indices.tolist()
         vocab = self.module.projection.draft_vocab.tolist()
         paths = []
@@ -117,6 +124,7 @@ class CTCDrafter(Drafter):
             tokens = [vocab[i] for i in sequence[: ctx.max_depth]]
             paths.append(cut_at_eos(tokens, ctx.eos_token_ids))
         draft = Draft.from_paths(paths, self.tree_nodes)
+        self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:

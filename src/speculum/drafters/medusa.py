@@ -13,6 +13,7 @@ which is not lossless). ``ctc_transform=True`` merges adjacent repeated tokens o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,10 +72,15 @@ class MedusaDrafter(Drafter):
             ]
             self.choices = sparse_tree([row[: options.top_k] for row in accuracy], nodes)
         self.top_k = max(max(c) for c in self.choices) + 1
+        self.time_tree = 0.0
         self.history = HiddenHistory(1)
 
     def start(self, ctx: DraftContext) -> None:
         self.history.start(ctx)
+        self.time_tree = 0.0  # seconds spent building trees from the heads' outputs (the CTC transform included)
+
+    def request_stats(self) -> dict:
+        return {"time_tree": self.time_tree}
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft | None:
@@ -83,10 +89,13 @@ class MedusaDrafter(Drafter):
             return None
         logits = self.heads(hidden[None])[0]  # [heads, draft vocab]
         guesses = self.heads.projection.to_vocab(logits.topk(self.top_k, dim=-1).indices).tolist()
+        started = time.perf_counter()
         paths = [[guesses[d][c] for d, c in enumerate(choice)] for choice in self.choices]
         if self.options.ctc_transform:
             paths = [ctc_collapse(path) for path in paths]
-        return Draft.from_paths([cut_at_eos(path[: ctx.max_depth], ctx.eos_token_ids) for path in paths])
+        draft = Draft.from_paths([cut_at_eos(path[: ctx.max_depth], ctx.eos_token_ids) for path in paths])
+        self.time_tree += time.perf_counter() - started
+        return draft
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         self.history.observe(outcome)
