@@ -68,3 +68,17 @@ python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-
   --datasets humaneval,gsm8k,mt_bench,wmt16 --first 5 --limit 3 --cost --out benchmarks/results/specdecpp-tune-front.md
 python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $HEADS \
   --records $OUT/qwen-issue7-128 --cost --out benchmarks/results/specdecpp-front.md --plot benchmarks/plots/specdecpp_front.png
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --out $OUT/qwen-issue8 \
+  --methods "autoregressive,hf_assisted,draft_model:length_policy=fixed,num_speculative_tokens=2,draft_model:length_policy=fixed,num_speculative_tokens=4,draft_model:length_policy=confidence,confidence_threshold=0.8,num_speculative_tokens=20,draft_model:length_policy=specdecpp,stop_threshold=0.5,draft_model:length_policy=specdecpp,acceptance_head=$OUT/heads/qwen-0.5b-paper,stop_threshold=0.7"
+# Temperature 1.0: a head trained on T=1 labels (shipped beside the greedy one), the timed run
+# (64 tokens), then Figure 4 from sampled chains over the run's own T=1 outputs.
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --temperature 1 --out $OUT/heads/qwen-0.5b-t1
+python benchmarks/ship_acceptance_head.py $OUT/heads/qwen-0.5b-t1 qwen2.5-coder-0.5b-t1
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/qwen-issue8-t1 \
+  --methods "autoregressive,hf_assisted,draft_model:length_policy=fixed,num_speculative_tokens=2,draft_model:length_policy=fixed,num_speculative_tokens=4,draft_model:length_policy=confidence,confidence_threshold=0.8,num_speculative_tokens=20,draft_model:length_policy=specdecpp,stop_threshold=0.5,draft_model:length_policy=specdecpp,acceptance_head=$OUT/heads/qwen-0.5b-t1,stop_threshold=0.5"
+python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --head early=src/speculum/data/heads/qwen2.5-coder-0.5b --head early-t1=src/speculum/data/heads/qwen2.5-coder-0.5b-t1 \
+  --records $OUT/qwen-issue8-t1 --temperature 1 --reps 4 \
+  --out benchmarks/results/specdecpp-front-t1.md --plot benchmarks/plots/specdecpp_front_t1.png

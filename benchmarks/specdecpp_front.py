@@ -79,9 +79,12 @@ def points(heads: dict[str, AcceptanceHead], max_draft: int) -> list[tuple[str, 
 def outputs_from_records(runs: list[Path], temperature: float) -> list[dict]:
     found = []
     for run in runs:
+        summary = run / "summary.json"  # the run's temperature (records do not repeat it)
+        meta = json.loads(summary.read_text()).get("meta", {}) if summary.exists() else {}
+        run_temperature = float(meta.get("temperature") or 0.0)
         for line in (run / "records.jsonl").open():
             r = json.loads(line)
-            if r["method"] == "autoregressive" and float(r.get("temperature", 0.0)) == temperature:
+            if r["method"] == "autoregressive" and float(r.get("temperature", run_temperature)) == temperature:
                 found.append(
                     {
                         "dataset": r["dataset"],

@@ -140,6 +140,7 @@ def test_context_phrases_seed_the_pool_from_prompt_and_output(pair):
 
     class Ctx:
         tokens = [1, 2, 3, 4, 5, 6]
+        sampling = None
 
     drafter.start(Ctx)
     assert drafter.pool.get(1) == [(2, 3, 4)] and drafter.pool.get(2) == [(3, 4, 5)]

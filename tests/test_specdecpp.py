@@ -155,3 +155,22 @@ def test_the_shipped_head_is_intact():
         q = torch.tensor([0.05, 0.95])
         probs = torch.sigmoid(head(torch.zeros(2, head.hidden_size), q))
         assert probs[0] < probs[1]  # a confident candidate is likelier to pass
+
+
+def test_each_request_uses_the_shipped_head_trained_nearest_its_temperature(draft, tmp_path, monkeypatch):
+    """Acceptance depends on the warping (greedy matches vs min(1, p/q) at T=1): where heads for
+    several temperatures ship, a request uses the one trained nearest its own."""
+    import speculum.acceptance_head as acceptance_head
+    from speculum.sampling import SamplingParams
+
+    for name, temperature in (("tiny", 0.0), ("tiny-t1", 1.0)):
+        head = AcceptanceHead(draft_hidden_size(draft), 1, draft_fingerprint(draft), early=True)
+        head.save(tmp_path / "heads" / name, training={"data": {"temperature": temperature}})
+    monkeypatch.setattr(acceptance_head, "BUNDLED", tmp_path / "heads")
+    policy = build_drafter("draft_model", draft, VOCAB, length_policy="specdecpp").policy
+    assert len(policy.heads) == 2
+    cases = [(SamplingParams(), 0.0), (SamplingParams(temperature=1.0), 1.0)]
+    cases += [(SamplingParams(temperature=0.7), 1.0), (SamplingParams(temperature=0.3), 0.0)]
+    for sampling, expected in cases:
+        policy.reset(sampling)
+        assert policy.head.training_info["data"]["temperature"] == expected

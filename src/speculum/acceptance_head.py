@@ -155,9 +155,10 @@ class AcceptanceHead(nn.Module):
 BUNDLED = Path(__file__).parent / "data" / "heads"  # heads that ship with speculum, one directory each
 
 
-def bundled_head(draft_model: nn.Module) -> Path | None:
-    """The shipped head trained for ``draft_model`` (matched by fingerprint), if there is one."""
-    fingerprint = None
+def bundled_heads(draft_model: nn.Module) -> list[Path]:
+    """The shipped heads trained for ``draft_model`` (matched by fingerprint): one per decoding
+    temperature they were trained for (the policy picks per request)."""
+    found, fingerprint = [], None
     for config in sorted(BUNDLED.glob("*/" + CONFIG)):
         try:
             expected = json.loads(config.read_text()).get("draft_fingerprint")
@@ -165,5 +166,11 @@ def bundled_head(draft_model: nn.Module) -> Path | None:
             continue
         fingerprint = fingerprint or draft_fingerprint(draft_model)
         if expected == fingerprint:
-            return config.parent
-    return None
+            found.append(config.parent)
+    return found
+
+
+def bundled_head(draft_model: nn.Module) -> Path | None:
+    """The first shipped head for ``draft_model`` (the greedy one where several ship), if any."""
+    heads = bundled_heads(draft_model)
+    return heads[0] if heads else None

@@ -45,7 +45,8 @@ class LengthPolicy:
         self.initial = num_speculative_tokens
         self.length = num_speculative_tokens
 
-    def reset(self) -> None:
+    def reset(self, sampling=None) -> None:
+        """A new request, decoded with ``sampling`` (SamplingParams; None: unknown)."""
         self.length = self.initial
 
     def begin_round(self, tokens: list[int]) -> None:
@@ -117,12 +118,24 @@ class SpecDecPPStop(LengthPolicy):
             raise InvalidInputError(f"stop_threshold must be in (0, 1), got {threshold!r}")
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
             raise InvalidInputError(f"min_draft_tokens must be an integer >= 1, got {min_tokens!r}")
-        self.head = head
+        # one head, or several trained for different temperatures: each request uses the one
+        # trained nearest to its own (labels depend on the warping: greedy vs T=1 acceptance)
+        self.heads = list(head) if isinstance(head, (list, tuple)) else [head]
         self.threshold = threshold
         self.min_tokens = min_tokens
         self.passes = 1.0  # predicted P(every candidate so far accepted)
-        self.reads_confidence = bool(getattr(head, "confidence_input", False))
         self.previous_confidence: float | None = None  # the draft's probability of the previous candidate
+        self._use(self.heads[0])
+
+    def _use(self, head) -> None:
+        self.head = head
+        self.reads_confidence = bool(getattr(head, "confidence_input", False))
+
+    def reset(self, sampling=None) -> None:
+        super().reset(sampling)
+        if len(self.heads) > 1:
+            temperature = 0.0 if sampling is None or sampling.greedy else sampling.temperature
+            self._use(min(self.heads, key=lambda h: abs(head_temperature(h) - temperature)))
 
     def begin_round(self, tokens: list[int]) -> None:
         self.passes = 1.0
@@ -141,6 +154,12 @@ class SpecDecPPStop(LengthPolicy):
             return False  # the first forward's input is the last committed token, not a candidate
         self.passes *= float(self.head.accept_probability(step.hidden, previous))
         return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
+
+
+def head_temperature(head) -> float:
+    """The decoding temperature an acceptance head's labels were made for (0: greedy)."""
+    info = getattr(head, "training_info", None) or {}
+    return float((info.get("data") or {}).get("temperature", 0.0))
 
 
 class OracleStop(LengthPolicy):
@@ -216,17 +235,17 @@ def policy_for(options, draft_model) -> LengthPolicy:
     """The length policy a drafter's options ask for; ``specdecpp`` loads its head for ``draft_model``."""
     head = None
     if options.length_policy == "specdecpp":
-        from speculum.acceptance_head import AcceptanceHead, bundled_head
+        from speculum.acceptance_head import AcceptanceHead, bundled_heads
 
-        path = options.acceptance_head or bundled_head(draft_model)
-        if path is None:
+        paths = [options.acceptance_head] if options.acceptance_head else bundled_heads(draft_model)
+        if not paths:
             raise InvalidInputError(
                 "length_policy='specdecpp' needs acceptance_head=PATH: no head ships for this draft model "
                 "(speculum ships one for qwen2.5-coder-0.5b). Train one with `speculum train acceptance-head "
                 "--model TARGET --draft DRAFT --out DIR` and pass acceptance_head=DIR"
             )
-        head = AcceptanceHead.load(path, draft_model=draft_model)
-        head.to(next(draft_model.parameters()).device)
+        device = next(draft_model.parameters()).device
+        head = [AcceptanceHead.load(path, draft_model=draft_model).to(device) for path in paths]
     return make_policy(
         options.length_policy,
         options.num_speculative_tokens,

@@ -98,7 +98,7 @@ class DraftModelDrafter(Drafter):
 
     def start(self, ctx: DraftContext) -> None:
         self.state.reset()
-        self.policy.reset()
+        self.policy.reset(ctx.sampling)
         self._forwards = 0
 
     def _forward(self, token_ids: list[int], ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:

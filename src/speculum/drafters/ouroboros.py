@@ -155,7 +155,7 @@ class OuroborosDrafter(Drafter):
     def start(self, ctx: DraftContext) -> None:
         self.state.reset()
         self.window.reset(ctx.tokens)
-        self.policy.reset()
+        self.policy.reset(ctx.sampling)
         if not self.options.reuse_history:
             self.pool = self._pool()
         self._forwards = 0
