@@ -323,3 +323,21 @@ def test_the_shipped_heads_are_intact():
         module = load_draft_head(directory, config["kind"])
         assert config["model_fingerprint"] and len(module.projection.draft_vocab) > 1000
         assert config["training"]["history"], "shipped heads record how they were trained"
+
+
+@pytest.mark.parametrize("kind", ["medusa", "ctc"])
+def test_replay_with_recorded_hidden_states_matches_a_real_run(kind, llama, tmp_path):
+    """speculum tune scores head drafters by exact replay: given the target's hidden states over
+    prompt + greedy output, the replay reproduces a real run's trees and acceptance step by step."""
+    from speculum.bench.replay import replay
+    from speculum.runner import ModelRunner
+
+    heads = save_random_heads(kind, llama, tmp_path / kind)
+    prompt = repetitive_prompt(20, 4, 3)
+    real, stats = generate_ids(llama, prompt, build_drafter(kind, target=llama, heads=heads), 24)
+    runner = ModelRunner(llama)
+    hidden = runner.prefill(runner.new_cache(), prompt + real, hidden=True)
+    replayed = replay(prompt, real, build_drafter(kind, target=llama, heads=heads), hidden=hidden)
+    assert replayed.draft_sizes == stats.draft_sizes and replayed.accept_lengths == stats.accept_lengths
+    with pytest.raises(ValueError, match="hidden"):
+        replay(prompt, real, build_drafter(kind, target=llama, heads=heads))

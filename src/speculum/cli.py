@@ -183,7 +183,7 @@ def models() -> None:
 
 @app.command()
 def tune(
-    method: Annotated[str, typer.Option(help="ouroboros, anpd or draft_model.")],
+    method: Annotated[str, typer.Option(help="draft_model, ouroboros, anpd, medusa or ctc.")],
     model: Annotated[str, typer.Option(help="Target: packaged alias, hub id or local path.")] = "gemma-3-270m",
     draft: Annotated[str | None, typer.Option(help="Draft model, or self:N (draft_model, ouroboros).")] = None,
     dataset: Annotated[

@@ -56,6 +56,15 @@ SEARCH_SPACES: dict[str, list[tuple[str, list[Any]]]] = {
         ("guess_set_size", [2, 4, 8, 15]),
         ("context_phrases", [False, True]),
     ],
+    "medusa": [
+        ("tree_nodes", [4, 8, 12, 16, 24, 32, 48]),
+        ("top_k", [4, 10]),
+    ],
+    "ctc": [
+        ("tree_nodes", [4, 8, 12, 16, 24, 32, 48]),
+        ("top_k", [2, 3, 4]),
+        ("candidates", [16, 32, 48, 96]),
+    ],
     "anpd": [
         ("num_speculative_tokens", [3, 5, 7, 10]),
         ("max_ngram_size", [3, 4, 5, 6]),
@@ -134,6 +143,7 @@ class TunePrompt:
     reference: list[int]  # the target's greedy output
     prefill_time: float
     plain_time: float  # plain decoding's wall time for the reference (measured once)
+    hidden: Any = None  # the target's last hidden states over ids + reference (head drafters read them)
 
 
 @dataclass
@@ -173,14 +183,18 @@ def _defaults(method: str) -> dict[str, Any]:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
-def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int) -> list[TunePrompt]:
-    """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first)."""
+def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int, hidden: bool = False) -> list[TunePrompt]:
+    """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first);
+    ``hidden``: also the target's hidden states over prompt + reference (one forward each)."""
     spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
     prompts = []
     for ids in prompt_ids:
         result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
         stats = result.stats
         prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
+        if hidden:
+            runner = spec.runner
+            prompts[-1].hidden = runner.prefill(runner.new_cache(), ids + result.token_ids, hidden=True)
     return prompts
 
 
@@ -211,10 +225,10 @@ class ReplayScorer:
         resources = dataclasses.replace(self.spec.resources(), shared={})
         drafter = config.drafter_class()(config.options(), resources)
         for p in warm_up:
-            replay(p.ids, p.reference, drafter, self.spec.eos_token_ids)
+            replay(p.ids, p.reference, drafter, self.spec.eos_token_ids, p.hidden)
         total, tokens, draft_time, lengths, trajectory = 0.0, 0, 0.0, [], []
         for p in self.prompts:
-            stats: Stats = replay(p.ids, p.reference, drafter, self.spec.eos_token_ids)
+            stats: Stats = replay(p.ids, p.reference, drafter, self.spec.eos_token_ids, p.hidden)
             model_time = sum(self.cost(size + 1) for size in stats.draft_sizes)
             total += p.prefill_time + stats.time_draft + stats.time_verify + stats.time_other + model_time
             tokens += stats.new_tokens
@@ -261,7 +275,7 @@ def tune(
         raise InvalidInputError(f"method {method!r} needs a draft model: pass --draft (a model or self:N)")
 
     log("plain decoding: greedy references and timings")
-    prompts = prepare_prompts(spec, prompt_ids, max_new_tokens)
+    prompts = prepare_prompts(spec, prompt_ids, max_new_tokens, hidden=cls.wants_hidden_states)
     typical = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2]
     log("measuring the target's verification cost t(K)")
     cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2])
