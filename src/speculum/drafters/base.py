@@ -237,3 +237,24 @@ class HiddenHistory:
     def last(self) -> torch.Tensor | None:
         """The state at the position before the root, ``[hidden]``, or None before any."""
         return None if self.states is None else self.states[-1]
+
+
+class HeadDrafter(Drafter):
+    """Base of drafters that read the target's hidden states (Medusa heads, the CTC module): keeps
+    the last ``history_width`` states and the time spent building trees from the heads' outputs."""
+
+    wants_hidden_states = True
+
+    def __init__(self, history_width: int):
+        self.history = HiddenHistory(history_width)
+        self.time_tree = 0.0  # seconds this request spent turning head outputs into trees
+
+    def start(self, ctx: DraftContext) -> None:
+        self.history.start(ctx)
+        self.time_tree = 0.0
+
+    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        self.history.observe(outcome)
+
+    def request_stats(self) -> dict:
+        return {"time_tree": self.time_tree}

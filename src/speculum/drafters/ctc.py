@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, HiddenHistory, Outcome, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options
 from speculum.heads import resolve_draft_head
 
 DEFAULT_TREE_NODES = 16
@@ -81,9 +81,8 @@ class Options:
             check_options("ctc", self, {"tree_nodes": 1})
 
 
-class CTCDrafter(Drafter):
+class CTCDrafter(HeadDrafter):
     name = "ctc"
-    wants_hidden_states = True
 
     def __init__(self, options: Options, resources: Resources):
         self.options = options
@@ -91,15 +90,7 @@ class CTCDrafter(Drafter):
         inference = self.module.checkpoint_config.get("inference", {})
         self.tree_nodes = options.tree_nodes or inference.get("tree_nodes", DEFAULT_TREE_NODES)
         self.embeddings = resources.embeddings
-        self.time_tree = 0.0
-        self.history = HiddenHistory(self.module.context)
-
-    def start(self, ctx: DraftContext) -> None:
-        self.history.start(ctx)
-        self.time_tree = 0.0  # seconds spent building trees from the heads' outputs (the CTC transform included)
-
-    def request_stats(self) -> dict:
-        return {"time_tree": self.time_tree}
+        super().__init__(self.module.context)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft | None:
@@ -126,6 +117,3 @@ class CTCDrafter(Drafter):
         draft = Draft.from_paths(paths, self.tree_nodes)
         self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None
-
-    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
-        self.history.observe(outcome)

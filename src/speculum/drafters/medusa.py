@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, HiddenHistory, Outcome, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options
 from speculum.drafters.ctc import ctc_collapse, cut_at_eos
 from speculum.errors import InvalidInputError
 from speculum.heads import resolve_draft_head
@@ -48,9 +48,8 @@ class Options:
                 raise InvalidInputError("medusa: tree_choices must be a list of non-empty lists of indices >= 0")
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(HeadDrafter):
     name = "medusa"
-    wants_hidden_states = True
 
     def __init__(self, options: Options, resources: Resources):
         self.options = options
@@ -72,15 +71,7 @@ class MedusaDrafter(Drafter):
             ]
             self.choices = sparse_tree([row[: options.top_k] for row in accuracy], nodes)
         self.top_k = max(max(c) for c in self.choices) + 1
-        self.time_tree = 0.0
-        self.history = HiddenHistory(1)
-
-    def start(self, ctx: DraftContext) -> None:
-        self.history.start(ctx)
-        self.time_tree = 0.0  # seconds spent building trees from the heads' outputs (the CTC transform included)
-
-    def request_stats(self) -> dict:
-        return {"time_tree": self.time_tree}
+        super().__init__(1)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft | None:
@@ -96,6 +87,3 @@ class MedusaDrafter(Drafter):
         draft = Draft.from_paths([cut_at_eos(path[: ctx.max_depth], ctx.eos_token_ids) for path in paths])
         self.time_tree += time.perf_counter() - started
         return draft
-
-    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
-        self.history.observe(outcome)
