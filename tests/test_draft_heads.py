@@ -235,10 +235,12 @@ def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_p
     source, motifs = _toy_texts(tmp_path)
     texts = training_texts(source)
     out = tmp_path / "out"
+    # a random model does not write the motifs, so every label counts here (not only those on its own path)
     settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
-                                        epochs=3, lr=1e-2, batch_size=32, val_fraction=0.2)  # fmt: skip
+                                        epochs=6, lr=1e-2, batch_size=32, val_fraction=0.2,
+                                        consistent=False)  # fmt: skip
     data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
-    examples = draft_heads.Examples(data, settings.span, settings.context)
+    examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
     vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
     assert len(vocab) == 48 and 0.5 < coverage <= 1.0
     untrained = draft_heads.build_module(settings, data["hidden"].shape[1], vocab)
@@ -254,17 +256,90 @@ def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_p
     assert config["kind"] == kind and config["training"]["history"] == history
     if kind == "medusa":
         assert len(config["inference"]["topk_accuracy"]) == 3
-    # resume: one more epoch from the checkpoint, the first epoch's metrics kept
-    settings.epochs = 4
+    # resume: one more epoch from the checkpoint, the earlier epochs' metrics kept
+    settings.epochs = 7
     _, resumed = draft_heads.run(speculum_llama, texts, out, draft_heads.DistillSettings(), settings,
                                  resume=True, progress=False, log=lambda _: None)  # fmt: skip
-    assert len(resumed) == 4 and resumed[:3] == history
+    assert len(resumed) == 7 and resumed[:6] == history
     # the trained heads draft, and stay exact
     prompt = speculum_llama.tokenizer(" ".join(motifs[1] * 3))["input_ids"]
     drafter = build_drafter(kind, target=speculum_llama.model, heads=str(out))
     ref = reference_greedy(speculum_llama.model, prompt, 24)
     got, stats = generate_ids(speculum_llama.model, prompt, drafter, 24)
     assert got == ref and stats.accepted_tokens > 0
+
+
+def _path_data():
+    """One text of 10 tokens whose labels follow it except after position 4 (the target would have
+    written 99 where the text has 5)."""
+    token = torch.arange(10)
+    label = torch.cat([token[1:], torch.tensor([0])])
+    label[4] = 99
+    return {
+        "hidden": torch.zeros(10, 2, dtype=torch.float16),
+        "token": token,
+        "label": label,
+        "text": torch.zeros(10, dtype=torch.int32),
+        "response": torch.ones(10, dtype=torch.bool),
+    }
+
+
+def test_labels_count_only_while_the_text_stays_on_the_targets_path():
+    from speculum.heads import MedusaHeads
+    from speculum.training.draft_heads import Examples, targets_of
+
+    data = _path_data()
+    examples = Examples(data, span=3, context=2)
+    # how many tokens from t on are the target's own: 1..4 yes, 5 no (it said 99), 6..9 yes
+    assert examples.run.tolist() == [0, 3, 3, 2, 1, 0, 3, 3, 2, 1]
+    assert examples.roots.tolist() == [1, 2, 3, 4, 6, 7]  # roots are the target's own tokens
+    whole = Examples(data, span=3, context=2, whole_span=True)  # CTC: all of a root's labels or none
+    assert whole.roots.tolist() == [1, 2, 6, 7]
+    heads = MedusaHeads(2, 3, torch.arange(100))
+    targets = targets_of(heads, examples.batch(torch.tensor([3, 4, 6]), "cpu"))
+    assert targets.tolist() == [[4, 99, -1], [99, -1, -1], [7, 8, 9]]  # past the text's detour: not learnt
+    everything = Examples(data, span=3, context=2, consistent=False)  # the ablation: every label counts
+    assert everything.roots.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert (targets_of(heads, everything.batch(everything.roots, "cpu")) >= 0).all()
+
+
+def test_generated_data_is_the_targets_own_greedy_continuation(speculum_llama):
+    from speculum.training.draft_heads import DistillSettings, eos_ids, make_data
+    from speculum.training.texts import TrainingText, encode, prompt_for_generation
+
+    texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5)]
+    settings = DistillSettings(max_tokens=64, generate=10, generate_batch=2)  # padded batches of unequal prompts
+    data = make_data(speculum_llama, texts, settings, progress=False)
+    eos = eos_ids(speculum_llama.model)
+    assert data["source"].tolist() == [int(t) % len(texts) for t in data["text"]]
+    for index, text in enumerate(texts):
+        as_written = data["token"][data["text"] == index].tolist()  # the text itself comes first, teacher-forced
+        assert as_written == encode(speculum_llama.tokenizer, text, 64)[0]
+        prompt = prompt_for_generation(speculum_llama, text)
+        mine = data["text"] == len(texts) + index  # then the target's continuation of its prompt
+        assert data["token"][mine][: len(prompt)].tolist() == prompt
+        response = data["token"][mine & data["response"]].tolist()
+        want = reference_greedy(speculum_llama.model, prompt, 10)
+        cut = next((k + 1 for k, t in enumerate(want) if t in eos), len(want))
+        assert response == want[:cut]
+        # on the target's own text every label is the next token (teacher-forced = generated)
+        labels = data["label"][mine].tolist()
+        tokens = data["token"][mine].tolist()
+        assert labels[len(prompt) - 1 : -1] == tokens[len(prompt) :]
+
+
+def test_generation_continues_the_prompts_as_speculum_bench_lays_them_out(speculum_llama):
+    from speculum.bench.datasets import load_dataset
+    from speculum.training.texts import TrainingText, prompt_for_generation, training_texts
+
+    chat = bool(getattr(speculum_llama.tokenizer, "chat_template", None))
+    for name in ("gsm8k", "mbpp", "mt_bench", "wmt16", "humaneval"):
+        text, prompt = training_texts(f"{name}[3:4]")[0], load_dataset(name, 4)[3]
+        assert text.prompt == prompt  # the very prompt `speculum bench` sends
+        wanted = speculum_llama.encode_prompt(prompt.render(prompt.chat_default and chat))
+        assert prompt_for_generation(speculum_llama, text) == wanted
+    plain = TrainingText("f", "", " ".join(["w5"] * 100))
+    assert len(prompt_for_generation(speculum_llama, plain, plain_prefix=16)) == 16
 
 
 def test_the_draft_vocabulary_keeps_the_most_predicted_tokens():
@@ -341,3 +416,35 @@ def test_replay_with_recorded_hidden_states_matches_a_real_run(kind, llama, tmp_
     assert replayed.draft_sizes == stats.draft_sizes and replayed.accept_lengths == stats.accept_lengths
     with pytest.raises(ValueError, match="hidden"):
         replay(prompt, real, build_drafter(kind, target=llama, heads=heads))
+
+
+def test_cli_trains_both_kinds_on_one_generated_data_pass(model_dir, tmp_path):
+    """Both trainers from the CLI on one data pass (--generate, --data), then the heads in use on a
+    prepacked float32 target (what dtype="auto" picks on AVX2 CPUs): exact."""
+    from typer.testing import CliRunner
+
+    import speculum
+    from speculum.cli import app
+
+    def cli(*args):
+        res = CliRunner().invoke(app, [str(a) for a in args])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    texts = tmp_path / "q.jsonl"  # questions: the target continues them (--generate) beside the text itself
+    texts.write_text("\n".join(json.dumps({"turns": [" ".join(f"w{i}" for i in range(3, n))]}) for n in range(8, 20)))
+    common = ["--model", model_dir, "--texts", texts, "--generate", 8, "--max-tokens", 48, "--epochs", 1,
+              "--draft-vocab", 32, "--batch-size", 16, "--dtype", "float32"]  # fmt: skip
+    ctc, medusa = tmp_path / "ctc", tmp_path / "medusa"
+    cli("train", "ctc-drafter", "--out", ctc, "--slots", 4, "--label-length", 2, *common)
+    output = cli("train", "medusa", "--out", medusa, "--data", ctc / "distill_data.safetensors", *common)
+    assert "cached" in output and not (medusa / "distill_data.safetensors").exists()
+    spec = speculum.load(model_dir, dtype="float32")  # prepacked
+    plain = spec.generate("w3 w4 w5", "autoregressive", max_new_tokens=12).token_ids
+    for kind, out in (("ctc", ctc), ("medusa", medusa)):
+        assert spec.generate("w3 w4 w5", kind, heads=str(out), max_new_tokens=12).token_ids == plain
+        output = cli("generate", "w3 w4 w5", "--model", model_dir, "--dtype", "float32", "--method", kind,
+                     "--param", f"heads={out}", "--max-new-tokens", 12, "--no-stream", "--json")  # fmt: skip
+        assert json.loads(output.strip().splitlines()[-1])["token_ids"] == plain
+    res = CliRunner().invoke(app, ["train", "medusa", "--model", model_dir, "--out", str(tmp_path), "--texts", "no"])
+    assert res.exit_code == 2 and "unknown text source" in res.output

@@ -400,7 +400,27 @@ TextsOption = Annotated[
 DEFAULT_HEAD_TEXTS = "mbpp,gsm8k[100:],wmt16[100:],mt_bench[10:],stdlib[:40]"
 
 
-def _train_draft_heads(kind: str, model: str, out: str, texts: str, max_tokens: int, settings, common: dict) -> None:
+GenerateOption = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Train on the target's own greedy continuations of the prompts, this many tokens each (slower to "
+        "make; 0: teacher-forced text).",
+    ),
+]
+DataOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Distillation data cache to use (e.g. the other kind's OUT/distill_data.safetensors; default: in --out)."
+    ),
+]
+ConsistentOption = Annotated[
+    bool,
+    typer.Option(help="Learn a label only while the text stays on the target's own greedy path."),
+]
+
+
+def _train_draft_heads(kind: str, model: str, out: str, texts: str, data_settings, settings, common: dict) -> None:
     from pathlib import Path
 
     import torch
@@ -423,11 +443,12 @@ def _train_draft_heads(kind: str, model: str, out: str, texts: str, max_tokens: 
             spec,
             sources,
             Path(out),
-            draft_heads.DistillSettings(max_tokens),
+            data_settings,
             settings,
             device=device,
             regenerate=common["regenerate"],
             resume=common["resume"],
+            data_file=Path(common["data"]) if common["data"] else None,
             log=lambda line: err.print(line, highlight=False),
         )
     except SpeculumError as error:
@@ -442,6 +463,9 @@ def train_medusa(
     model: Annotated[str, typer.Option(help="Target model.")] = "gemma-3-270m",
     texts: TextsOption = DEFAULT_HEAD_TEXTS,
     max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
+    generate: GenerateOption = 0,
+    consistent: ConsistentOption = True,
+    data: DataOption = None,
     num_heads: Annotated[int, typer.Option(min=1, help="Heads: tokens guessed beyond the next one.")] = 4,
     num_layers: Annotated[int, typer.Option(min=1, help="Residual blocks per head.")] = 1,
     draft_vocab: Annotated[int, typer.Option(min=1, help="Tokens the heads can draft (most predicted).")] = 16384,
@@ -457,15 +481,15 @@ def train_medusa(
     regenerate: Annotated[bool, typer.Option(help="Remake the cached data.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
 ) -> None:
-    """Train Medusa-1 heads on the frozen target (self-distilled from teacher-forced text)."""
-    from speculum.training.draft_heads import HeadSettings
+    """Train Medusa-1 heads on the frozen target (self-distilled: the target's own predictions are the labels)."""
+    from speculum.training.draft_heads import DistillSettings, HeadSettings
 
     settings = HeadSettings(
         "medusa", num_heads=num_heads, num_layers=num_layers, draft_vocab=draft_vocab, epochs=epochs, lr=lr,
-        batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
+        batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes, consistent=consistent,
     )  # fmt: skip
-    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume)
-    _train_draft_heads("medusa", model, out, texts, max_tokens, settings, common)
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
+    _train_draft_heads("medusa", model, out, texts, DistillSettings(max_tokens, generate), settings, common)
 
 
 @train_app.command("ctc-drafter")
@@ -474,6 +498,9 @@ def train_ctc_drafter(
     model: Annotated[str, typer.Option(help="Target model.")] = "gemma-3-270m",
     texts: TextsOption = DEFAULT_HEAD_TEXTS,
     max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
+    generate: GenerateOption = 0,
+    consistent: ConsistentOption = True,
+    data: DataOption = None,
     slots: Annotated[int, typer.Option(min=1, help="Frames predicted at once.")] = 8,
     label_length: Annotated[int, typer.Option(min=1, help="Target tokens the frames spell (CTC labels).")] = 4,
     context: Annotated[int, typer.Option(min=1, help="Hidden states of the recent context it reads.")] = 16,
@@ -491,14 +518,15 @@ def train_ctc_drafter(
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
 ) -> None:
     """Train CTC-drafter's attention draft module (one transformer layer, CTC loss) on the frozen target."""
-    from speculum.training.draft_heads import HeadSettings
+    from speculum.training.draft_heads import DistillSettings, HeadSettings
 
     settings = HeadSettings(
         "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
+        consistent=consistent,
     )  # fmt: skip
-    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume)
-    _train_draft_heads("ctc", model, out, texts, max_tokens, settings, common)
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
+    _train_draft_heads("ctc", model, out, texts, DistillSettings(max_tokens, generate), settings, common)
 
 
 @app.command()

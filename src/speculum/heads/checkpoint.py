@@ -121,7 +121,8 @@ def check_model(config: dict[str, Any], model: nn.Module, what: str, where: str)
             f"{what} {where!r} reads hidden states of size {config.get('hidden_size')}, the model's are {size}"
         )
     vocab = config.get("vocab_size")
-    if vocab is not None and int(vocab) != model.get_output_embeddings().weight.shape[0]:
+    head = model.get_output_embeddings()  # nn.Linear, or speculum.accel.PackedLinear (no .weight)
+    if vocab is not None and int(vocab) != int(head.out_features):
         raise CheckpointError(f"{what} {where!r} was trained for a vocabulary of {vocab} tokens, not this model's")
     expected = config.get("model_fingerprint") or config.get("draft_fingerprint")
     if expected and expected != model_fingerprint(model):

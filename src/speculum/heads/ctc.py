@@ -51,6 +51,10 @@ class CTCDraftModule(nn.Module):
         self.norm_token = nn.LayerNorm(hidden_size)
         self.memory_position = nn.Parameter(torch.randn(context, hidden_size) * 0.02)  # last row: t-1
         self.fuse = nn.Linear(2 * hidden_size, hidden_size)
+        with torch.no_grad():  # start from the hidden state at t-1 (as Medusa's zero-initialised blocks do)
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+            self.fuse.bias.zero_()
         self.slot_embedding = nn.Parameter(torch.randn(slots, hidden_size) * 0.02)
         self.layer = nn.TransformerDecoderLayer(
             hidden_size, heads, self.ffn_size, dropout=0.0, activation="gelu", batch_first=True, norm_first=True

@@ -1,21 +1,25 @@
 """Self-distillation for draft heads over the target's hidden states (``speculum train medusa`` and
 ``speculum train ctc-drafter``): one data pass, one training loop, two kinds of heads.
 
-Data, the cheap way (the target writes ~3 tokens/s on a CPU, so it does not generate): one
-teacher-forced forward of the target over each training text gives, at every position, its last
+Data: one forward of the target over each training sequence gives, at every position, its last
 hidden state (the LM head's input, stored float16) and its own next-token prediction (argmax).
-Heads learn what *this target* would say: the labels are its predictions, not the text. What that
-costs: a label k places ahead was predicted after the text's tokens, which are not always the
-target's own, so deep labels are a little noisier than on the target's own output would be.
+Heads learn what *this target* would say: the labels are its predictions, not the text. Two kinds
+of sequence:
+- teacher-forced text (the default, cheap: the target does not generate): the prompt sets' own
+  answers and source files. Where the text leaves the target's own path (a 270M model agrees with
+  the text about 60% of the time), the labels after it are predictions along a path the target
+  would not write, so a root's labels count only while the text agrees with the target
+  (``consistent``): every label a head learns is then what greedy decoding from that root says;
+- the target's own greedy continuations of the prompts (``generate``, batched): slower to make,
+  but every position is on the target's own path.
 The data is cached in the output directory and remade only when its inputs change (or when asked).
 
-Examples: every response position t whose next ``span`` labels lie in the same text is a root
-(the token the loop has just committed). Medusa head k reads the hidden state at t-1 and learns
-the label at t+k-1 (cross-entropy, head weights 0.8^k as Medusa); the CTC module reads the
-hidden states at t-W..t-1 and the root's embedding and learns the labels at t..t+L-1 with torch's
-CTC loss (its blank is its own symbol). Both predict over a draft vocabulary: the tokens the target
-predicts most often on the training text (labels outside it are not learnt; their share is
-reported as the vocabulary's coverage).
+Examples: every response position t is a root (the token the loop has just committed). Medusa
+head k reads the hidden state at t-1 and learns the label at t+k-1 (cross-entropy, head weights
+0.8^k as Medusa); the CTC module reads the hidden states at t-W..t-1 and the root's embedding and
+learns the labels at t..t+L-1 with torch's CTC loss (its blank is its own symbol). Both predict
+over a draft vocabulary: the tokens the target predicts most often on the training text (labels
+outside it are not learnt; their share is reported as the vocabulary's coverage).
 
 Training: AdamW with linear decay, a validation split by text, validation loss, top-k hit rates per
 head position (Medusa; they also choose its default tree) and the mean length of the greedy draft's
@@ -42,7 +46,7 @@ from speculum.heads.projection import lm_head_weight
 from speculum.poolfile import write_atomic
 from speculum.runner import ModelRunner
 from speculum.training.common import cached_tensors, split_by_text, torch_bytes
-from speculum.training.texts import TrainingText, encode
+from speculum.training.texts import TrainingText, encode, prompt_for_generation
 
 DATA_FILE = "distill_data.safetensors"
 TOPK = 10  # hit rates measured per head position up to this rank
@@ -51,18 +55,67 @@ TOPK = 10  # hit rates measured per head position up to this rank
 @dataclass
 class DistillSettings:
     max_tokens: int = 512  # per text
+    generate: int = 0  # > 0: train on the target's own greedy continuations of this many tokens
+    generate_batch: int = 16  # prompts continued at once
+
+
+def eos_ids(model) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+@torch.inference_mode()
+def continuations(spec, prompts: list[list[int]], settings: DistillSettings, progress: bool = True) -> list[list[int]]:
+    """The target's greedy continuation of every prompt (up to ``settings.generate`` tokens, cut after
+    its end-of-sequence token), batched with left padding by transformers' ``generate``."""
+    from tqdm.auto import tqdm
+
+    eos = eos_ids(spec.model)
+    pad = spec.tokenizer.pad_token_id
+    pad = pad if pad is not None else min(eos, default=0)
+    device = next(spec.model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="target's continuations", unit="prompt", disable=not progress)
+    for first in range(0, len(order), settings.generate_batch):
+        chosen = order[first : first + settings.generate_batch]
+        width = max(len(prompts[i]) for i in chosen)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chosen], device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chosen], device=device)
+        generated = spec.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.generate,
+                                        do_sample=False, pad_token_id=pad)[:, width:].tolist()  # fmt: skip
+        for i, row in zip(chosen, generated, strict=True):
+            end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            out[i] = row[:end]
+        bar.update(len(chosen))
+    bar.close()
+    return out
+
+
+def sequences(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True):
+    """(token ids, where the response starts) per sequence: every text as it is, then with
+    ``settings.generate`` every text's prompt continued by the target itself."""
+    laid_out = [encode(spec.tokenizer, text, settings.max_tokens) for text in texts]
+    if settings.generate:
+        prompts = [prompt_for_generation(spec, text)[: max(settings.max_tokens - 2, 1)] for text in texts]
+        answers = continuations(spec, prompts, settings, progress)
+        laid_out += [((p + a)[: settings.max_tokens], len(p)) for p, a in zip(prompts, answers, strict=True)]
+    return laid_out
 
 
 @torch.inference_mode()
 def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True) -> dict:
     """``hidden`` [N, H] float16, ``label`` [N] (the target's argmax after each position), ``token`` [N]
-    (the input token), ``text`` [N] (which text), ``response`` [N] (inside the response part)."""
+    (the input token), ``text`` [N] (which sequence), ``source`` [N] (which training text it comes
+    from: a text and the target's continuation of its prompt share one, and the validation split),
+    ``response`` [N] (inside the response part)."""
     from tqdm.auto import tqdm
 
     runner = ModelRunner(spec.model, lazy_head=False)
-    columns: dict[str, list[torch.Tensor]] = {name: [] for name in ("hidden", "label", "token", "text", "response")}
-    for index, text in enumerate(tqdm(texts, desc="distillation data", unit="text", disable=not progress)):
-        ids, start = encode(spec.tokenizer, text, settings.max_tokens)
+    names = ("hidden", "label", "token", "text", "source", "response")
+    columns: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    laid_out = sequences(spec, texts, settings, progress)
+    for index, (ids, start) in enumerate(tqdm(laid_out, desc="distillation data", unit="text", disable=not progress)):
         if len(ids) - start < 2:
             continue
         inputs = torch.tensor([ids], device=runner.input_device)
@@ -77,6 +130,7 @@ def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progre
         columns["label"].append(labels.cpu().long())
         columns["token"].append(torch.tensor(ids))
         columns["text"].append(torch.full((n,), index, dtype=torch.int32))
+        columns["source"].append(torch.full((n,), index % len(texts), dtype=torch.int32))
         columns["response"].append(torch.arange(n) >= start)
     if not columns["label"]:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
@@ -84,9 +138,10 @@ def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progre
 
 
 def data_key(spec, texts: list[TrainingText], settings: DistillSettings) -> str:
-    h = hashlib.sha256(b"distill-v1")
+    h = hashlib.sha256(b"distill-v2" if settings.generate else b"distill-v1")
     h.update(model_fingerprint(spec.model).encode())
-    h.update(json.dumps(asdict(settings), sort_keys=True).encode())
+    keyed = asdict(settings) if settings.generate else {"max_tokens": settings.max_tokens}
+    h.update(json.dumps(keyed, sort_keys=True).encode())
     for text in texts:
         h.update(hashlib.sha256(f"{text.source}\0{text.instruction}\0{text.response}".encode()).digest())
     return h.hexdigest()
@@ -125,6 +180,7 @@ class HeadSettings:
     seed: int = 0
     max_examples: int = 0  # per epoch, 0 = every example (a random subset otherwise)
     tree_nodes: int = 16  # recommended draft tree size, saved with the heads
+    consistent: bool = True  # learn a label only while the text stays on the target's own path
 
     @property
     def span(self) -> int:
@@ -140,23 +196,42 @@ class HeadSettings:
                 raise InvalidInputError(f"{name} must be >= 1")
 
 
+def _run_lengths(flags: torch.Tensor) -> torch.Tensor:
+    """For each position, how many consecutive ``True`` start there."""
+    n = len(flags)
+    index = torch.arange(n)
+    breaks = torch.where(~flags, index, torch.full_like(index, n))  # next False at or after each position
+    next_false = torch.flip(torch.cummin(torch.flip(breaks, [0]), 0).values, [0])
+    return next_false - index
+
+
 class Examples:
     """Root positions usable for training and their batches (inputs gathered from the data)."""
 
-    def __init__(self, data: dict[str, torch.Tensor], span: int, context: int):
+    def __init__(
+        self, data: dict[str, torch.Tensor], span: int, context: int, consistent: bool = True, whole_span=False
+    ):
         self.data = data
         self.context = context
         text = data["text"].long()
         n = len(text)
         index = torch.arange(n)
-        first = torch.zeros(n, dtype=torch.long)  # flat index where each position's text starts
         starts = torch.ones(n, dtype=torch.bool)
         starts[1:] = text[1:] != text[:-1]
-        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
-        self.first = first
+        self.first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values  # text's start
         last_ok = index + span - 1
         same_text = (last_ok < n) & (text[last_ok.clamp(max=n - 1)] == text)
-        self.roots = index[data["response"] & (index - 1 >= first) & same_text]
+        # on_path[t]: the token at t is what the target predicted after t-1 (as at inference, where
+        # every committed token is the target's). run[t]: how many tokens from t on stay on its path,
+        # so the labels at t..t+run[t]-1 are exactly what greedy decoding from root t would say.
+        on_path = torch.zeros(n, dtype=torch.bool)
+        on_path[1:] = (data["token"][1:] == data["label"][:-1]) & ~starts[1:]
+        if not consistent:  # every label counts (the ablation)
+            on_path[1:] = ~starts[1:]
+        self.run = _run_lengths(on_path).clamp(max=span)
+        # the root itself is the target's own token; CTC learns a root's labels only all together
+        usable = self.run >= (span if whole_span else 1)
+        self.roots = index[data["response"] & (index - 1 >= self.first) & same_text & usable]
         self.span = span
 
     def batch(self, roots: torch.Tensor, device) -> dict[str, torch.Tensor]:
@@ -172,7 +247,15 @@ class Examples:
             "padding": padding.to(device),
             "root": self.data["token"][roots].to(device),
             "labels": labels.to(device),
+            "on_path": (torch.arange(self.span)[None] < self.run[roots][:, None]).to(device),
         }
+
+
+def targets_of(module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Draft-vocabulary indices of a batch's labels, -1 where not learnt (outside the draft
+    vocabulary, or past where the text leaves the target's own path)."""
+    targets = to_draft_index(module, batch["labels"])
+    return targets.masked_fill(~batch["on_path"], -1)
 
 
 def build_module(settings: HeadSettings, hidden_size: int, draft_vocab: torch.Tensor):
@@ -237,7 +320,7 @@ def evaluate(module, examples: Examples, roots: torch.Tensor, embeddings, device
     for chunk in roots.split(batch_size):
         batch = examples.batch(chunk, device)
         logits = module_logits(module, batch, embeddings)
-        targets = to_draft_index(module, batch["labels"])
+        targets = targets_of(module, batch)
         total += float(loss_of(module, logits, targets)) * len(chunk)
         count += len(chunk)
         for draft, target in zip(greedy_draft(module, logits), targets.tolist(), strict=True):
@@ -278,8 +361,9 @@ def train(
     draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab)
     module = build_module(settings, data["hidden"].shape[1], draft_vocab)
     embeddings = spec.model.get_input_embeddings()
-    examples = Examples(data, settings.span, settings.context)
-    train_mask, val_mask = split_by_text({"text": data["text"][examples.roots]}, settings.val_fraction, settings.seed)
+    examples = Examples(data, settings.span, settings.context, settings.consistent, settings.kind == "ctc")
+    sources = data.get("source", data["text"])  # a text and the target's continuation of it: one side of the split
+    train_mask, val_mask = split_by_text({"text": sources[examples.roots]}, settings.val_fraction, settings.seed)
     train_roots, val_roots = examples.roots[train_mask], examples.roots[val_mask]
     if len(train_roots) == 0:
         raise InvalidInputError("no training examples: give more (or longer) texts")
@@ -318,7 +402,7 @@ def train(
             roots = order[step * settings.batch_size : (step + 1) * settings.batch_size]
             batch = examples.batch(roots, device)
             logits = module_logits(module, batch, embeddings)
-            loss = loss_of(module, logits, to_draft_index(module, batch["labels"]))
+            loss = loss_of(module, logits, targets_of(module, batch))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
@@ -363,13 +447,15 @@ def run(
     regenerate: bool = False,
     resume: bool = False,
     progress: bool = True,
+    data_file: Path | None = None,
     log=print,
 ):
-    """Data (cached in ``out``) then training: what ``speculum train medusa|ctc-drafter`` does."""
+    """Data (cached in ``out``, or in ``data_file``: one data pass for both kinds of heads) then
+    training: what ``speculum train medusa|ctc-drafter`` does."""
     settings.check()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    data, cached = load_or_make_data(spec, texts, data_settings, out / DATA_FILE, regenerate, progress)
+    data, cached = load_or_make_data(spec, texts, data_settings, data_file or out / DATA_FILE, regenerate, progress)
     data_time = time.perf_counter() - t0
     size = sum(t.numel() * t.element_size() for t in data.values())
     log(

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculum.bench.datasets import GSM8K_INSTRUCTION, _read_jsonl, _vendored
+from speculum.bench.datasets import DATASETS, GSM8K_INSTRUCTION, Prompt, _question_prompt, _read_jsonl, _vendored
 from speculum.errors import InvalidInputError
 
 _SLICE = re.compile(r"^(?P<name>[^\[]+)(?:\[(?P<start>-?\d*):(?P<stop>-?\d*)\])?$")
@@ -28,26 +28,26 @@ class TrainingText:
     source: str
     instruction: str  # "" for plain text (source files): everything is response
     response: str
+    # the prompt as ``speculum bench`` lays it out (prompt sets and question files): what the target
+    # continues when heads train on its own output, so they learn the layout they will see
+    prompt: Prompt | None = None
+
+
+# each prompt set's vendored file and (instruction, response) of one row
+_SETS = {
+    "mbpp": ("mbpp.jsonl", lambda r: (r["text"], r["code"].replace("\r\n", "\n"))),
+    "humaneval": ("humaneval.jsonl", lambda r: ("", r["prompt"] + r.get("canonical_solution", ""))),
+    "gsm8k": ("gsm8k_test_part1.jsonl", lambda r: (f"{GSM8K_INSTRUCTION}\n\n{r['question']}", r["answer"])),
+    "mt_bench": ("mt_bench_questions.jsonl", lambda r: ("", "\n\n".join(r["turns"]))),  # questions: text only
+    "wmt16": ("wmt16_deen_sample.jsonl", lambda r: (f"Translate German to English: {r['de']}", r["en"])),
+}
 
 
 def _named(name: str) -> list[TrainingText]:
-    if name == "mbpp":
-        return [TrainingText(name, r["text"], r["code"].replace("\r\n", "\n")) for r in _vendored("mbpp.jsonl")]
-    if name == "humaneval":
-        rows = _vendored("humaneval.jsonl")
-        return [TrainingText(name, "", r["prompt"] + r.get("canonical_solution", "")) for r in rows]
-    if name == "gsm8k":
-        return [
-            TrainingText(name, f"{GSM8K_INSTRUCTION}\n\n{r['question']}", r["answer"])
-            for r in _vendored("gsm8k_test_part1.jsonl")
-        ]
-    if name == "mt_bench":  # questions only (no reference answers ship): text, not responses
-        return [TrainingText(name, "", "\n\n".join(r["turns"])) for r in _vendored("mt_bench_questions.jsonl")]
-    if name == "wmt16":
-        return [
-            TrainingText(name, f"Translate German to English: {r['de']}", r["en"])
-            for r in _vendored("wmt16_deen_sample.jsonl")
-        ]
+    if name in _SETS:
+        file, layout = _SETS[name]
+        rows, prompts = _vendored(file), DATASETS[name](None)
+        return [TrainingText(name, *layout(r), prompt) for r, prompt in zip(rows, prompts, strict=True)]
     if name == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         return [TrainingText(f"stdlib/{p.name}", "", p.read_text(errors="replace")) for p in sorted(root.glob("*.py"))]
@@ -64,7 +64,7 @@ def _path(path: Path) -> list[TrainingText]:
             turns = r.get("turns")
             if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
                 raise InvalidInputError(f"{path}: every line needs a 'turns' list of strings")
-            out.append(TrainingText(path.stem, "", "\n\n".join(turns)))
+            out.append(TrainingText(path.stem, "", "\n\n".join(turns), _question_prompt(path.stem, r)))
         return out
     return [TrainingText(str(path), "", path.read_text(errors="replace"))]
 
@@ -97,6 +97,17 @@ def training_texts(sources: list[str] | str) -> list[TrainingText]:
     if not texts:
         raise InvalidInputError(f"the sources {sources} hold no text")
     return texts
+
+
+def prompt_for_generation(spec, text: TrainingText, plain_prefix: int = 64) -> list[int]:
+    """The prompt the target continues when heads train on its own output: the text's prompt as
+    ``speculum bench`` lays it out (chat template where that set uses one and the tokenizer has
+    one), or for plain text (source files) its first ``plain_prefix`` tokens."""
+    if text.prompt is not None:
+        has_template = bool(getattr(spec.tokenizer, "chat_template", None))
+        return spec.encode_prompt(text.prompt.render(text.prompt.chat_default and has_template))
+    ids, _ = encode(spec.tokenizer, text, plain_prefix)
+    return ids
 
 
 def encode(tokenizer, text: TrainingText, max_tokens: int) -> tuple[list[int], int]:

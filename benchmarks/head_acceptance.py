@@ -1,0 +1,65 @@
+"""Mean acceptance length β of drafter configurations by exact replay (no timing noise): each
+prompt's greedy reference is decoded once, then every configuration replays it step by step and
+gets exactly the acceptances a real greedy run would (head drafters read the target's hidden
+states from one recorded forward). For choosing heads and training recipes on held-out prompts
+before a timed run.
+
+    python benchmarks/head_acceptance.py --model gemma-3-270m --dataset humaneval,gsm8k,mt_bench \
+        --skip 5 --limit 5 --max-new-tokens 64 --methods "anpd;medusa:heads=DIR;ctc:heads=DIR,top_k=4"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+import speculum
+from speculum.bench.datasets import load_dataset
+from speculum.bench.replay import replay
+from speculum.methods import SpeculativeConfig
+from speculum.tune import prepare_prompts
+
+
+def parse_method(text: str) -> SpeculativeConfig:
+    name, _, rest = text.partition(":")
+    params = dict(item.split("=", 1) for item in rest.split(",") if item)
+    return SpeculativeConfig.coerce(name.strip(), **params)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--dataset", default="humaneval,gsm8k,mt_bench", help="comma-separated sets or files")
+    parser.add_argument("--skip", type=int, default=5, help="prompts skipped per set (the report's first ones)")
+    parser.add_argument("--limit", type=int, default=5, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--methods", required=True, help="';'-separated method specs (name:key=value,...)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = speculum.load(args.model)
+    has_template = bool(getattr(spec.tokenizer, "chat_template", None))
+    chosen = [p for name in args.dataset.split(",") for p in load_dataset(name, args.skip + args.limit)[args.skip :]]
+    prompts = [spec.encode_prompt(p.render(p.chat_default and has_template)) for p in chosen]
+    recorded = prepare_prompts(spec, prompts, args.max_new_tokens, hidden=True)
+    print(f"{len(recorded)} prompts of {args.dataset} (each set's {args.skip + 1}th on), {args.max_new_tokens} tokens")
+    print("| method | β (tokens per step) | mean draft tree size |")
+    print("|---|---|---|")
+    for text in args.methods.split(";"):
+        config = parse_method(text)
+        resources = dataclasses.replace(spec.resources(), shared={})
+        drafter = config.drafter_class()(config.options(), resources)
+        tokens = steps = nodes = 0
+        for p in recorded:
+            stats = replay(p.ids, p.reference, drafter, spec.eos_token_ids, p.hidden)
+            tokens += stats.new_tokens
+            steps += len(stats.accept_lengths)
+            nodes += sum(stats.draft_sizes)
+        print(f"| {text} | {tokens / max(steps, 1):.3f} | {nodes / max(steps, 1):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
