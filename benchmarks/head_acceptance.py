@@ -18,14 +18,8 @@ import torch
 import speculum
 from speculum.bench.datasets import load_dataset
 from speculum.bench.replay import replay
-from speculum.methods import SpeculativeConfig
+from speculum.bench.runner import parse_method_spec
 from speculum.tune import prepare_prompts
-
-
-def parse_method(text: str) -> SpeculativeConfig:
-    name, _, rest = text.partition(":")
-    params = dict(item.split("=", 1) for item in rest.split(",") if item)
-    return SpeculativeConfig.coerce(name.strip(), **params)
 
 
 def main() -> None:
@@ -49,7 +43,7 @@ def main() -> None:
     print("| method | β (tokens per step) | mean draft tree size |")
     print("|---|---|---|")
     for text in args.methods.split(";"):
-        config = parse_method(text)
+        config = parse_method_spec(text).to_config()
         resources = dataclasses.replace(spec.resources(), shared={})
         drafter = config.drafter_class()(config.options(), resources)
         tokens = steps = nodes = 0

@@ -82,3 +82,37 @@ python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-
   --head early=src/speculum/data/heads/qwen2.5-coder-0.5b --head early-t1=src/speculum/data/heads/qwen2.5-coder-0.5b-t1 \
   --records $OUT/qwen-issue8-t1 --temperature 1 --reps 4 \
   --out benchmarks/results/specdecpp-front-t1.md --plot benchmarks/plots/specdecpp_front_t1.png
+
+# Issue #9 (CTC-drafter, Medusa) on Gemma 3 270M: one data pass (the default texts teacher-forced,
+# plus the target's own greedy continuations of their prompts, 128 tokens), both kinds of heads on
+# it, β by exact replay and `speculum tune` (float32 cost curve) on the tuning prompts (each set's
+# prompts 6-10; tune-prompts.jsonl holds 6-8) to choose the tree size, shipping, then the timed runs
+# on the report prompts (the first five of each set) in bfloat16 (auto here) and float32, and the tables.
+speculum train medusa --model gemma-3-270m --generate 128 --out $OUT/heads/gemma-g2-medusa
+speculum train ctc-drafter --model gemma-3-270m --generate 128 --epochs 3 --out $OUT/heads/gemma-g2-ctc \
+  --data $OUT/heads/gemma-g2-medusa/distill_data.safetensors
+python benchmarks/head_acceptance.py --model gemma-3-270m --dataset humaneval,gsm8k,mt_bench --skip 5 --limit 5 \
+  --methods "anpd;medusa:heads=$OUT/heads/gemma-g2-medusa;medusa:heads=$OUT/heads/gemma-g2-medusa,tree_nodes=24;ctc:heads=$OUT/heads/gemma-g2-ctc;ctc:heads=$OUT/heads/gemma-g2-ctc,tree_nodes=24"
+python -c "
+import json; from speculum.bench.datasets import load_dataset
+rows = [dict(question_id=p.question_id, category=p.category, turns=[p.text])
+        for n in ('humaneval', 'gsm8k', 'mt_bench') for p in load_dataset(n, 8)[5:8]]
+open('$OUT/tune-prompts.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))"
+for M in medusa ctc; do
+  speculum tune --method $M --param heads=$OUT/heads/gemma-g2-$M --dtype float32 --dataset $OUT/tune-prompts.jsonl \
+    --limit 9 --max-new-tokens 64 --no-confirm --threads 2
+done
+python benchmarks/ship_draft_heads.py $OUT/heads/gemma-g2-medusa gemma-3-270m-medusa --tree-nodes 12
+python benchmarks/ship_draft_heads.py $OUT/heads/gemma-g2-ctc gemma-3-270m-ctc --tree-nodes 12
+# bfloat16, 24-node trees (Table 1/2, Figure 3), then float32 and bfloat16 with the shipped 12-node trees
+speculum bench --model gemma-3-270m --threads 2 --dataset mt_bench,gsm8k,humaneval --limit 5 --max-new-tokens 128 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,medusa:tree_nodes=24,ctc:tree_nodes=24,medusa:tree_nodes=24,ctc_transform=true,ctc:tree_nodes=24,ctc_transform=false" \
+  --out $OUT/gemma-issue9
+python benchmarks/head_drafters_report.py $OUT/gemma-issue9 --out benchmarks/results/head-drafters-gemma.md \
+  --plot benchmarks/plots/head_drafters_time.png \
+  --ablation "medusa:tree_nodes=24;medusa:tree_nodes=24,ctc_transform=true;ctc:tree_nodes=24,ctc_transform=false;ctc:tree_nodes=24"
+speculum bench --model gemma-3-270m --dtype float32 --threads 2 --dataset mt_bench,gsm8k,humaneval --limit 5 \
+  --max-new-tokens 128 --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,medusa,ctc" --out $OUT/gemma-issue9-fp32-12
+python benchmarks/head_drafters_report.py $OUT/gemma-issue9-fp32-12 --out benchmarks/results/head-drafters-gemma-fp32.md
+speculum bench --model gemma-3-270m --threads 2 --dataset mt_bench,gsm8k,humaneval --limit 5 --max-new-tokens 128 \
+  --methods "autoregressive,medusa,ctc" --out $OUT/gemma-issue9-bf16-12

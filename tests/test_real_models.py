@@ -19,6 +19,8 @@ METHODS = [
     ("draft_model", {"length_policy": "fixed", "num_speculative_tokens": 4}),
     ("lookahead", {"window_size": 4, "ngram_size": 4, "guess_set_size": 4}),
     ("ouroboros", {"num_speculative_tokens": 4, "window_size": 4, "ngram_size": 4, "guess_set_size": 4}),
+    ("medusa", {}),  # the heads shipped for Gemma 3 270M, found by its fingerprint
+    ("ctc", {}),
 ]
 
 
