@@ -304,13 +304,13 @@ def test_labels_count_only_while_the_text_stays_on_the_targets_path():
 
 
 def test_generated_data_is_the_targets_own_greedy_continuation(speculum_llama):
-    from speculum.training.draft_heads import DistillSettings, eos_ids, make_data
+    from speculum.training.draft_heads import DistillSettings, make_data
     from speculum.training.texts import TrainingText, encode, prompt_for_generation
 
     texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5)]
     settings = DistillSettings(max_tokens=64, generate=10, generate_batch=2)  # padded batches of unequal prompts
     data = make_data(speculum_llama, texts, settings, progress=False)
-    eos = eos_ids(speculum_llama.model)
+    eos = speculum_llama.eos_token_ids
     assert data["source"].tolist() == [int(t) % len(texts) for t in data["text"]]
     for index, text in enumerate(texts):
         as_written = data["token"][data["text"] == index].tolist()  # the text itself comes first, teacher-forced

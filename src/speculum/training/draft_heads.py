@@ -59,18 +59,13 @@ class DistillSettings:
     generate_batch: int = 16  # prompts continued at once
 
 
-def eos_ids(model) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
 @torch.inference_mode()
 def continuations(spec, prompts: list[list[int]], settings: DistillSettings, progress: bool = True) -> list[list[int]]:
     """The target's greedy continuation of every prompt (up to ``settings.generate`` tokens, cut after
     its end-of-sequence token), batched with left padding by transformers' ``generate``."""
     from tqdm.auto import tqdm
 
-    eos = eos_ids(spec.model)
+    eos = spec.eos_token_ids  # the ones speculum's own loop stops at
     pad = spec.tokenizer.pad_token_id
     pad = pad if pad is not None else min(eos, default=0)
     device = next(spec.model.parameters()).device
@@ -209,7 +204,7 @@ class Examples:
     """Root positions usable for training and their batches (inputs gathered from the data)."""
 
     def __init__(
-        self, data: dict[str, torch.Tensor], span: int, context: int, consistent: bool = True, whole_span=False
+        self, data: dict[str, torch.Tensor], span: int, context: int, consistent: bool = True, whole_span: bool = False
     ):
         self.data = data
         self.context = context
@@ -224,10 +219,9 @@ class Examples:
         # on_path[t]: the token at t is what the target predicted after t-1 (as at inference, where
         # every committed token is the target's). run[t]: how many tokens from t on stay on its path,
         # so the labels at t..t+run[t]-1 are exactly what greedy decoding from root t would say.
+        agrees = data["token"][1:] == data["label"][:-1] if consistent else True  # not consistent: all count
         on_path = torch.zeros(n, dtype=torch.bool)
-        on_path[1:] = (data["token"][1:] == data["label"][:-1]) & ~starts[1:]
-        if not consistent:  # every label counts (the ablation)
-            on_path[1:] = ~starts[1:]
+        on_path[1:] = agrees & ~starts[1:]
         self.run = _run_lengths(on_path).clamp(max=span)
         # the root itself is the target's own token; CTC learns a root's labels only all together
         usable = self.run >= (span if whole_span else 1)
