@@ -1,8 +1,9 @@
 """Mean acceptance length β of drafter configurations by exact replay (no timing noise): each
 prompt's greedy reference is decoded once, then every configuration replays it step by step and
 gets exactly the acceptances a real greedy run would (head drafters read the target's hidden
-states from one recorded forward). For choosing heads and training recipes on held-out prompts
-before a timed run.
+states from one recorded forward; lookahead and Ouroboros, which read its predictions off the
+accepted path, get those from the target). For choosing heads and training recipes on held-out
+prompts before a timed run.
 
     python benchmarks/head_acceptance.py --model gemma-3-270m --dataset humaneval,gsm8k,mt_bench \
         --skip 5 --limit 5 --max-new-tokens 64 --methods "anpd;medusa:heads=DIR;ctc:heads=DIR,top_k=4"
@@ -17,7 +18,6 @@ import torch
 
 import speculum
 from speculum.bench.datasets import load_dataset
-from speculum.bench.replay import replay
 from speculum.bench.runner import parse_method_spec
 from speculum.tune import prepare_prompts
 
@@ -48,7 +48,7 @@ def main() -> None:
         drafter = config.drafter_class()(config.options(), resources)
         tokens = steps = nodes = 0
         for p in recorded:
-            stats = replay(p.ids, p.reference, drafter, spec.eos_token_ids, p.hidden)
+            stats = p.replay(drafter, spec)
             tokens += stats.new_tokens
             steps += len(stats.accept_lengths)
             nodes += sum(stats.draft_sizes)

@@ -3,9 +3,11 @@ and warm vs cold phrase pools (Table 17 shape), per prompt set, as markdown tabl
 
 Acceptance is exact: the target's greedy outputs come from a ``speculum bench`` run's
 ``autoregressive`` records, and each configuration runs through the engine with the target
-replaced by them (``speculum.bench.replay``) while the draft model runs for real. Speed is
-predicted as in ``speculum tune``: measured drafting time + a measured verification-cost curve
-t(K) per step + the engine's bookkeeping. Where the bench run timed the same configuration, its
+replaced by them (``speculum.bench.replay``) while the draft model runs for real; the target
+itself runs only where verification phrases read its predictions at rejected draft tokens (one
+forward at such a step, not timed: a real run gets those rows from its verification forward).
+Speed is predicted as in ``speculum tune``: measured drafting time + a measured verification-cost
+curve t(K) per step + the engine's bookkeeping. Where the bench run timed the same configuration, its
 measured speedup is printed beside the prediction.
 
     python benchmarks/ouroboros_studies.py bench-out/qwen-issue7b \\
@@ -28,8 +30,9 @@ import torch
 
 import speculum
 from speculum.bench.report import machine_info, now_iso
+from speculum.costs import CostModel
 from speculum.methods import SpeculativeConfig
-from speculum.tune import CostModel, ReplayScorer, TunePrompt
+from speculum.tune import ReplayScorer, TunePrompt, plain_seconds_per_token
 
 COMPONENTS = ["phrase_drafting", "lengthen", "verification_phrases", "reuse_history", "context_phrases"]
 K_VALUES = [0, 1, 2, 3, 5, 8]
@@ -78,8 +81,8 @@ def main() -> None:
     spec = speculum.load(args.model, args.draft, dtype=args.dtype)
     everything = [p for ps in prompts.values() for p in ps]
     typical = sorted(everything, key=lambda p: len(p.ids))[len(everything) // 2]
-    cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: len(typical.reference) // 2])
-    cost = cost.with_plain_step(everything)
+    cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: len(typical.reference) // 2], reps=5)
+    cost = cost.with_plain_step(plain_seconds_per_token(everything))
     if args.max_new_tokens:  # a greedy output's prefix is the greedy output of a shorter request
         n = args.max_new_tokens
         for ps in prompts.values():

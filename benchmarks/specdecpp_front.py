@@ -44,10 +44,10 @@ from speculum.acceptance_head import AcceptanceHead
 from speculum.bench.chains import Totals, draft_chains, simulate
 from speculum.bench.datasets import load_dataset, split_names
 from speculum.bench.report import machine_info, now_iso
+from speculum.costs import CostModel
 from speculum.policies import make_policy
 from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
-from speculum.tune import CostModel
 
 FIXED = [2, 4, 6, 8, 10, 12, 14]
 THRESHOLDS = [0.1, 0.3, 0.5, 0.7, 0.9]
@@ -132,11 +132,11 @@ def generated_outputs(spec, args) -> list[dict]:
 
 def measure_costs(spec, heads, prefix: list[int]) -> dict:
     """t(K) of the target, one draft forward and one head call, on this machine."""
-    curve = CostModel.measure(spec.runner, prefix, ks=(1, 2, 4, 8, 12, 16, 21))
+    curve = CostModel.measure(spec.runner, prefix, sizes=(1, 2, 4, 8, 12, 16, 21), reps=5)
     # t(1) from plain decoding itself (a lone K=1 probe after a prefill reads high on some CPUs)
     plain = spec.generate(prefix, "autoregressive", max_new_tokens=24)
     per_token = (plain.stats.wall_time - plain.stats.time_prefill) / plain.stats.new_tokens
-    target = CostModel([(1, per_token)] + [point for point in curve.points if point[0] > 1])
+    target = curve.with_plain_step(per_token)
     draft = ModelRunner(spec.draft_model)
     cache = draft.new_cache()
     draft.prefill(cache, prefix[:-1])

@@ -1,6 +1,13 @@
 """Fixtures shared by several test modules."""
 
+import os
+
 import pytest
+
+# dtype="auto" measures the machine once and caches it in the user's cache directory: the suite keeps
+# to the flag rule instead (deterministic, and nothing written to ~/.cache); test_dtype_choice tests
+# the measuring itself.
+os.environ.setdefault("SPECULUM_DTYPE_MEASURE", "0")
 
 from tiny_models import tiny_model, word_tokenizer
 

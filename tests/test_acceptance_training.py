@@ -11,6 +11,7 @@ import speculum
 from speculum.acceptance_head import AcceptanceHead
 from speculum.cli import app
 from speculum.errors import InvalidInputError
+from speculum.sampling import SamplingParams, warp
 from speculum.training.acceptance import (
     DataSettings,
     TrainSettings,
@@ -70,6 +71,27 @@ def test_greedy_labels_are_argmax_agreement(spec):
     assert torch.equal(data["label"], expected)
     assert 0 < float(expected.mean()) < 1  # the draft is right only sometimes: the labels say something
     assert data["hidden"].shape == (len(expected), spec.draft_model.config.hidden_size)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mixing_ratio", [0.0, 0.5])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_early_rows_hold_the_state_that_produced_the_candidate(spec, temperature, mixing_ratio):
+    """An early head scores each candidate from the draft's state that produced it: through the draft's
+    LM head that state gives the row's candidate (greedy: as its argmax) with the row's confidence."""
+    sampling = SamplingParams(temperature)
+    data = make_data(
+        spec, [TrainingText("t", "", TEXT)], DataSettings(temperature=temperature, mixing_ratio=mixing_ratio), False
+    )
+    logits = spec.draft_model.lm_head(data["hidden_before"].float())  # states are stored in float16
+    probs = torch.softmax(logits, -1) if sampling.greedy else warp(logits, sampling)
+    candidate = data["candidate"].long()
+    assert torch.allclose(probs.gather(1, candidate[:, None])[:, 0], data["confidence"], atol=2e-3)
+    if sampling.greedy:
+        top2 = logits.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-2  # where float16 rounding cannot swap the argmax
+        assert int(clear.sum()) > len(clear) // 2
+        assert torch.equal(probs.argmax(-1)[clear], candidate[clear])
 
 
 @torch.no_grad()

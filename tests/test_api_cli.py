@@ -64,6 +64,8 @@ def test_sampling_seeded(spec):
         (dict(prompt=""), speculum.InvalidInputError),
         (dict(prompt="   "), speculum.InvalidInputError),
         (dict(temperature=-1.0), speculum.InvalidInputError),
+        (dict(temperature=float("inf")), speculum.InvalidInputError),
+        (dict(temperature=float("nan")), speculum.InvalidInputError),
         (dict(top_p=0.0), speculum.InvalidInputError),
         (dict(top_p=1.5), speculum.InvalidInputError),
         (dict(top_k=-2), speculum.InvalidInputError),
@@ -74,6 +76,8 @@ def test_sampling_seeded(spec):
         (dict(prompt=" ".join(["w5"] * 300)), speculum.InvalidInputError),  # longer than the 256-token context
         (dict(prompt=[{"content": "no role"}]), speculum.InvalidInputError),
         (dict(prompt=[1, 2, 999]), speculum.InvalidInputError),
+        (dict(prompt=[]), speculum.InvalidInputError),
+        (dict(prompt=[-1]), speculum.InvalidInputError),
     ],
 )
 def test_bad_input_raises_typed_errors(spec, kwargs, error):
@@ -82,6 +86,16 @@ def test_bad_input_raises_typed_errors(spec, kwargs, error):
         spec.generate(**kwargs)
     with pytest.raises(error):  # a stream refuses bad input at the call, not at the first iteration
         spec.generate(**kwargs, stream=True)
+
+
+def test_a_near_zero_temperature_is_greedy(spec):
+    """Dividing logits by 1e-40 would make them inf and the probabilities NaN: below 1e-5 is greedy."""
+    assert speculum.SamplingParams(temperature=1e-40).greedy
+    assert speculum.SamplingParams(temperature=1e-40).temperature == 0.0
+    assert not speculum.SamplingParams(temperature=1e-4).greedy
+    greedy = spec.generate(PROMPT, "draft_model", max_new_tokens=16).token_ids
+    for method in ("autoregressive", "draft_model"):
+        assert spec.generate(PROMPT, method, max_new_tokens=16, temperature=1e-40, seed=1).token_ids == greedy
 
 
 def test_unseeded_sampling_leaves_the_global_rng_alone(spec):
@@ -228,3 +242,28 @@ def test_cli_models_lists_aliases():
     assert result.exit_code == 0, result.output
     for alias in ["gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"]:
         assert alias in result.output
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("lookahead", {"window_size": 256, "ngram_size": 256, "guess_set_size": 256}),
+        ("lookahead", {"window_size": 100, "ngram_size": 10, "guess_set_size": 100}),
+        ("ouroboros", {"num_speculative_tokens": 6, "num_phrase_candidates": 200, "ngram_size": 8}),
+        ("ouroboros", {"window_size": 100, "guess_set_size": 200, "ngram_size": 6}),
+        ("anpd", {"tree": True, "max_tree_nodes": 5000}),
+        ("draft_model", {"num_speculative_tokens": 2000}),
+        ("prompt_lookup", {"num_speculative_tokens": 2000}),
+        ("medusa", {"tree_nodes": 2000}),
+    ],
+)
+def test_settings_whose_trees_are_too_big_are_refused(method, params):
+    """Tree size is the product of several parameters: it is capped as such, with one clear error."""
+    with pytest.raises(speculum.InvalidInputError, match="at most 1024"):
+        speculum.SpeculativeConfig(method, **params)
+
+
+def test_the_published_tree_settings_are_allowed():
+    speculum.SpeculativeConfig("lookahead", window_size=15, ngram_size=5, guess_set_size=15)  # LADE on a GPU
+    speculum.SpeculativeConfig("ouroboros")
+    speculum.SpeculativeConfig("medusa", tree_nodes=64)

@@ -59,12 +59,16 @@ def test_simulation_matches_a_real_greedy_run(pair, heads, name, params, tmp_pat
         drafter.policy.set_reference(prompt + reference)
     output, real = generate_ids(target, prompt, drafter, max_new_tokens=40)
     assert output == reference
+    real_head_calls = getattr(drafter.policy, "head_calls", 0)
 
     policy = drafter.policy  # the same object, reset by simulate
     sim = simulate(chains, policy)
     assert (sim.new_tokens, sim.drafted_tokens, sim.accepted_tokens, sim.target_forwards, sim.draft_forwards) == (
         real.new_tokens, real.drafted_tokens, real.accepted_tokens, real.target_forwards, real.draft_forwards
     )  # fmt: skip
+    assert sim.head_calls == real_head_calls  # what the head costs: early heads score the first candidate too
+    if name == "specdecpp":
+        assert real_head_calls > 0
 
 
 def test_oracle_is_the_best_stop_and_never_discards(pair):

@@ -354,6 +354,29 @@ def test_the_draft_vocabulary_keeps_the_most_predicted_tokens():
     assert vocab.tolist() == [5, 7] and coverage == pytest.approx(5 / 6)
 
 
+def test_the_draft_vocabulary_is_chosen_without_the_validation_texts(speculum_llama, tmp_path):
+    """A token the target predicts only in the held-out texts must not enter the draft vocabulary."""
+    from speculum.training import draft_heads
+    from speculum.training.common import split_by_text
+    from speculum.training.texts import training_texts
+
+    source, _ = _toy_texts(tmp_path)
+    data, _ = draft_heads.load_or_make_data(
+        speculum_llama, training_texts(source), draft_heads.DistillSettings(), tmp_path / "d.st"
+    )
+    settings = draft_heads.HeadSettings("medusa", num_heads=2, draft_vocab=16, epochs=1, val_fraction=0.2,
+                                        consistent=False)  # fmt: skip
+    examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
+    _, val = split_by_text({"text": data["text"][examples.roots]}, settings.val_fraction, settings.seed)
+    held_out = torch.isin(data["text"], torch.unique(data["text"][examples.roots[val]]))
+    unseen = max(set(range(3, VOCAB)) - set(data["label"].tolist()) - set(data["token"].tolist()))
+    data["label"] = data["label"].clone()
+    data["label"][held_out & data["response"]] = unseen  # the target "says" it there, and only there
+    module, _ = draft_heads.train(speculum_llama, data, settings, tmp_path / "out", progress=False, log=lambda _: None)
+    assert unseen not in module.projection.draft_vocab.tolist()
+    assert unseen in draft_heads.choose_draft_vocab(data, 16)[0].tolist()  # counted over everything, it would be
+
+
 def test_loss_weighting_and_masks():
     from speculum.heads import MedusaHeads
     from speculum.training.draft_heads import loss_of, to_draft_index

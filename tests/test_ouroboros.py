@@ -112,6 +112,36 @@ def test_pool_is_shared_by_a_speculum_and_survives_restarts(tmp_path):
     assert isinstance(c.pool, PhrasePool)
 
 
+def test_a_failed_save_keeps_the_result(tmp_path, caplog):
+    """The pool is saved when a request ends; a write that fails (here: no such directory) is logged,
+    and the generated text is still returned."""
+    model = tiny_model("llama")
+    spec = speculum.Speculum(model, word_tokenizer(), perturbed_copy(model), word_tokenizer())
+    prompt = repetitive_prompt(24, 5, 0)
+    plain = spec.generate(prompt, max_new_tokens=16)
+    with caplog.at_level("WARNING", logger="speculum"):
+        result = spec.generate(
+            prompt, "ouroboros", max_new_tokens=16, **SMALL, pool_path=str(tmp_path / "missing" / "p.pool")
+        )
+    assert result.token_ids == plain.token_ids
+    assert "not saved" in caplog.text and "missing" in caplog.text
+
+
+def test_forget_drops_the_drafter_and_the_pools_no_other_drafter_uses(pair):
+    model, draft = pair
+    spec = speculum.Speculum(model, word_tokenizer(), draft, word_tokenizer())
+    a = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL))
+    b = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL, num_phrase_candidates=1))  # a's pool
+    c = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **{**SMALL, "guess_set_size": 5}))  # its own pool
+    assert b.pool is a.pool and len(spec._shared) == 2
+    spec.forget(speculum.SpeculativeConfig("ouroboros", **SMALL))
+    assert {id(p) for p in spec._shared.values()} == {id(b.pool), id(c.pool)}  # b still uses the first pool
+    spec.forget(speculum.SpeculativeConfig("ouroboros", **SMALL, num_phrase_candidates=1))
+    assert [id(p) for p in spec._shared.values()] == [id(c.pool)] and list(spec._drafters.values()) == [c]
+    again = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL))
+    assert again is not a and again.pool is not a.pool and len(again.pool) == 0  # starts afresh
+
+
 def test_ouroboros_sampling_runs_and_is_seeded(pair):
     model, draft = pair
     prompt = repetitive_prompt(20, 4, 1)

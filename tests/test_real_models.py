@@ -44,3 +44,6 @@ def test_gemma_every_method_equals_plain_greedy(gemma, prompt):
     for method, params in METHODS:
         result = gemma.generate(prompt, method, max_new_tokens=32, **params)
         assert result.token_ids == plain.token_ids, (method, params)
+        # with the controller deciding what to verify (it measures this machine's costs once)
+        result = gemma.generate(prompt, method, max_new_tokens=32, controller=True, **params)
+        assert result.token_ids == plain.token_ids, (method, params, "controller")

@@ -1,11 +1,12 @@
-"""Replay (acceptance without the model) gives exactly the acceptance of a real greedy run."""
+"""Replay (acceptance without running the target at every step) gives exactly the acceptance of a real greedy run."""
 
 import pytest
 
-from speculum.bench.replay import replay
+from speculum.bench.replay import ReplayRunner, replay
+from speculum.errors import ReplayError
 
 from helpers import RandomTreeDrafter, build_drafter, generate_ids
-from tiny_models import VOCAB, reference_greedy, repetitive_prompt, tiny_model
+from tiny_models import VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
@@ -26,3 +27,63 @@ def test_replay_matches_engine(arch):
         assert simulated.accept_lengths == real.accept_lengths
         assert simulated.drafted_tokens == real.drafted_tokens
         assert simulated.accepted_per_position == real.accepted_per_position
+        # given the model, a drafter that reads only the accepted path still costs no target forward
+        runner = ReplayRunner(prompt, reference, model=model)
+        assert runner.run(make()).accept_lengths == real.accept_lengths
+        assert runner.target_forwards == 0
+
+
+def pool_contents(drafter):
+    """The phrase pool, keys in their eviction order."""
+    return [(key, drafter.pool.get(key)) for key in drafter.pool.keys()]
+
+
+# Small windows and pools, so that drafts are partly rejected and the pool turns over.
+OFF_PATH_READERS = [
+    (  # one pool reused across the prompts, phrases from verification, drafts lengthened by phrases
+        "ouroboros",
+        dict(
+            num_speculative_tokens=4,
+            window_size=3,
+            ngram_size=4,
+            guess_set_size=3,
+            num_phrase_candidates=2,
+            verification_phrases=True,
+            reuse_history=True,
+        ),
+    ),
+    ("lookahead", dict(window_size=3, ngram_size=3, guess_set_size=3, persist=True)),
+    ("lookahead", dict(window_size=4, ngram_size=4, guess_set_size=2)),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("method, params", OFF_PATH_READERS)
+def test_replay_with_the_model_matches_drafters_that_read_off_the_path(arch, method, params):
+    """Lookahead's window and Ouroboros' verification phrases learn from the target's predictions at
+    rejected nodes: given the model, the replay computes those and stays exact step by step, pool
+    included, over several requests (sharing one pool where the drafter keeps it)."""
+    model = tiny_model(arch)
+    draft = perturbed_copy(model, scale=0.4) if method == "ouroboros" else None
+    real_drafter = build_drafter(method, draft, VOCAB, **params)
+    replayed_drafter = build_drafter(method, draft, VOCAB, **params)
+    prompts = [repetitive_prompt(24, 5, 0), repetitive_prompt(20, 7, 3), repetitive_prompt(26, 6, 5)]
+    for prompt in prompts:
+        reference = reference_greedy(model, prompt, 40)
+        out, real = generate_ids(model, prompt, real_drafter, 40)
+        assert out == reference
+        simulated = replay(prompt, reference, replayed_drafter, model=model)
+        assert simulated.accept_lengths == real.accept_lengths
+        assert simulated.drafted_tokens == real.drafted_tokens
+        assert simulated.accepted_per_position == real.accepted_per_position
+        assert pool_contents(replayed_drafter) == pool_contents(real_drafter)
+
+
+@pytest.mark.parametrize("method, params", OFF_PATH_READERS)
+def test_replay_without_the_model_refuses_drafters_that_read_off_the_path(method, params):
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.4) if method == "ouroboros" else None
+    prompt = repetitive_prompt(24, 5, 0)
+    reference = reference_greedy(model, prompt, 40)
+    with pytest.raises(ReplayError, match="off the accepted path.*model="):
+        replay(prompt, reference, build_drafter(method, draft, VOCAB, **params))

@@ -16,8 +16,8 @@ from speculum.sampling import SamplingParams, warp
 from speculum.tree import TokenTree
 from speculum.verify import verify
 
-from helpers import build_drafter, generate_ids, markov_logits, save_random_heads
-from tiny_models import tiny_model
+from helpers import build_drafter, generate_ids, markov_logits
+from tiny_models import perturbed_copy, reference_greedy, tiny_model, word_tokenizer
 
 V = 4
 STEPS = 3
@@ -157,15 +157,56 @@ def test_the_test_detects_a_wrong_rule():
         assert_same_distribution(counts, exact_joint(target, sampling))
 
 
-def _first_two_exact(model, prompt, sampling):
+def _first_tokens_exact(model, prompt, sampling, n):
+    """P(first ``n`` generated tokens) under the warped target, by enumerating its support."""
+    joint = {(): 1.0}
     with torch.no_grad():
-        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
-        joint = {}
-        for a in torch.nonzero(p1 > 0).flatten().tolist():
-            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
-            for b in torch.nonzero(p2 > 0).flatten().tolist():
-                joint[(a, b)] = p1[a].item() * p2[b].item()
+        for _ in range(n):
+            longer = {}
+            for seq, p in joint.items():
+                probs = warp(model(torch.tensor([prompt + list(seq)])).logits[0, -1], sampling)[0]
+                for token in torch.nonzero(probs > 0).flatten().tolist():
+                    longer[seq + (token,)] = p * probs[token].item()
+            joint = longer
     return joint
+
+
+def _draft_for(target, vocab_size: int):
+    """A draft close to the target (so its drafts are often accepted several tokens deep), with a head
+    of ``vocab_size`` rows (wider or narrower than the target's)."""
+    draft = perturbed_copy(target, scale=0.2)
+    if vocab_size != target.config.vocab_size:
+        draft.resize_token_embeddings(vocab_size, mean_resizing=False)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tmp_path_factory):
+    """Medusa heads and a CTC module trained (seconds) on the tiny target's own greedy text: random
+    heads are almost never right twice in a row, so they would not exercise deep trees."""
+    import speculum
+    from speculum.training import draft_heads
+    from speculum.training.texts import TrainingText
+
+    # one thread: what a few epochs of training give must not depend on the machine's thread count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = tiny_model("llama", vocab_size=16), word_tokenizer()
+    texts = []
+    for seed in range(24):
+        start = torch.randint(3, 16, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
+        texts.append(TrainingText(f"t{seed}", "", tokenizer.decode(start + reference_greedy(model, start, 40))))
+    paths = {}
+    for kind in ("medusa", "ctc"):
+        shape = dict(num_heads=3, slots=6, label_length=3, context=4, draft_vocab=16)
+        training = dict(epochs=8, lr=1e-2, batch_size=32, val_fraction=0.1, consistent=False)
+        settings = draft_heads.HeadSettings(kind, **shape, **training)
+        out = tmp_path_factory.mktemp(kind)
+        spec = speculum.Speculum(model, tokenizer)
+        draft_heads.run(spec, texts, out, draft_heads.DistillSettings(), settings, progress=False, log=lambda _: None)
+        paths[kind] = str(out)
+    torch.set_num_threads(threads)
+    return paths
 
 
 @pytest.mark.parametrize(
@@ -178,22 +219,29 @@ def _first_two_exact(model, prompt, sampling):
         ("draft_model", 20, 16),  # the target's head is wider (a padded head, as Qwen2.5-7B's vs the 0.5B)
         ("draft_model", 16, 20),  # the draft's is wider
         ("specdecpp", 16, 16),  # draft_model stopped by an (untrained, early) acceptance head
-        ("medusa", 16, 16),  # trees from (untrained) heads over the target's hidden states
+        ("medusa", 16, 16),  # trees from heads over the target's hidden states
         ("ctc", 16, 16),
     ],
 )
-def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_path):
-    """End to end through the engine and a transformer: first two tokens follow the warped target."""
+def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_path, trained_heads):
+    """End to end through the engine and a transformer: the first three tokens follow the warped target.
+
+    Four tokens are generated, so the first step verifies drafts three deep (plus the bonus token);
+    the prompt holds the target's own greedy text and the drafts come from a close draft model or
+    trained heads, so drafts are accepted three deep, which the test checks (else it would not cover
+    what decides the third token)."""
     model = tiny_model("llama", vocab_size=target_vocab)
-    draft = tiny_model("llama", seed=7, vocab_size=draft_vocab)
-    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
-    sampling = SamplingParams(temperature=1.0, top_k=6 if target_vocab == draft_vocab else 0)
-    exact = _first_two_exact(model, prompt, sampling)
+    draft = _draft_for(model, draft_vocab)
+    prompt = [3, 4, 5] + reference_greedy(model, [3, 4, 5], 12)
+    # top-k 3: few enough sequences that each has an expected count a chi-square test can use (the tiny
+    # model's full distribution is nearly flat over its vocabulary)
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    exact = _first_tokens_exact(model, prompt, sampling, 3)
     trials = 1500
     counts = dict.fromkeys(exact, 0)
     gen = torch.Generator().manual_seed(11)
     params = {
-        "lookahead": {"window_size": 3, "ngram_size": 3, "pool_from_prompt": True},
+        "lookahead": {"window_size": 3, "ngram_size": 4, "pool_from_prompt": True},
         "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},
     }.get(method, {"num_speculative_tokens": 3})
     if method == "specdecpp":
@@ -204,18 +252,33 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_
         torch.nn.init.normal_(head.confidence.weight)
         head.save(tmp_path / "head")
         method = "draft_model"
-        params = {"length_policy": "specdecpp", "acceptance_head": str(tmp_path / "head"), "stop_threshold": 0.5}
+        # (an untrained head stops at random: at least three tokens, so that some drafts go three deep)
+        params = {"length_policy": "specdecpp", "acceptance_head": str(tmp_path / "head"), "stop_threshold": 0.5,
+                  "min_draft_tokens": 3}  # fmt: skip
     if method in ("medusa", "ctc"):
-        params = {"heads": save_random_heads(method, model, tmp_path / method), "tree_nodes": 6}
+        params = {"heads": trained_heads[method], "tree_nodes": 12}
     drafter = build_drafter(method, draft, target_vocab, target=model, **params)
+    accepted_three_deep = 0
     for _ in range(trials):
         # the draft-model run also goes through the lazy LM head (rows computed along the walk)
-        out, _ = generate_ids(model, prompt, drafter, 2, sampling, gen, lazy_head=method == "draft_model")
-        assert tuple(out) in counts, f"sampled {out}, outside the warped support"
-        counts[tuple(out)] += 1
-    keep = [k for k, p in exact.items() if p * trials >= 5]  # chi-square needs expected counts >= 5
-    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
+        out, stats = generate_ids(model, prompt, drafter, 4, sampling, gen, lazy_head=method == "draft_model")
+        first = tuple(out[:3])
+        assert first in counts, f"sampled {first}, outside the warped support"
+        counts[first] += 1
+        accepted_three_deep += len(stats.accepted_per_position) > 2 and stats.accepted_per_position[2] > 0
+    if target_vocab == draft_vocab:  # (the other cases test distributions fitted across vocabulary widths)
+        assert accepted_three_deep >= 5, "drafts were (almost) never accepted three deep: deep trees went untested"
+    # chi-square needs expected counts >= 5: the rarer sequences are pooled into one cell (or, when even
+    # that cell would be too small, into the least likely kept one)
+    keep = sorted((k for k, p in exact.items() if p * trials >= 5), key=exact.get, reverse=True)
+    observed = [counts[k] for k in keep]
     expected = [exact[k] * trials for k in keep]
-    expected.append(trials - sum(expected))
+    rest_observed, rest_expected = trials - sum(observed), trials - sum(expected)
+    if rest_expected >= 5:
+        observed.append(rest_observed)
+        expected.append(rest_expected)
+    else:
+        observed[-1] += rest_observed
+        expected[-1] += rest_expected
     _, pvalue = chisquare(observed, expected)
     assert pvalue > 1e-3

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from server_launcher import build_spec, running_server  # noqa: E402
+from speculum.errors import InvalidInputError  # noqa: E402
+from speculum.methods import SpeculativeConfig  # noqa: E402
+from speculum.server import ServerSettings, create_app  # noqa: E402
 from speculum.server.worker import Output, Piece  # noqa: E402
 
 from tiny_models import repetitive_prompt  # noqa: E402
@@ -327,6 +331,17 @@ LONG_PROMPT = " ".join(["w5"] * 300)  # the tiny model's context is 256 position
         ("/v1/completions", {"prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "w5", "stop": ""}, 400, "stop"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6]]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [""]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["   "]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["", ""]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [2**70]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": None}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "w5", "stop": "x" * 257}, 400, "stop"),
+        ("/v1/completions", {"prompt": "w5", "stop": ["w6", "x" * 257]}, 400, "stop"),
         ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": ["w5", 3]}, 400, "prompt"),
         ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
@@ -338,6 +353,9 @@ LONG_PROMPT = " ".join(["w5"] * 300)  # the tiny model's context is 256 position
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"pool_path": "/tmp/x"}}, 400, "speculative_config.pool_path"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"heads": "x"}}, 400, "speculative_config.heads"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "draft_model", "length_policy": "../h"}}, 400, "speculative_config.length_policy"),  # noqa: E501
+        ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "anpd", "persist": True}}, 400, "speculative_config.persist"),  # noqa: E501
+        ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "ouroboros", "reuse_history": True}}, 400, "speculative_config.reuse_history"),  # noqa: E501
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "stop": "x" * 257}, 400, "stop"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
@@ -353,6 +371,38 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param):
     assert error["message"] and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_bad_input_message_says_what_is_wrong(server):
+    headers = auth()
+    empty = httpx.post(server.url + "/v1/completions", json={"prompt": []}, headers=headers).json()["error"]
+    assert "empty" in empty["message"]
+    stop = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "stop": "x" * 257}, headers=headers)
+    assert "256 characters" in stop.json()["error"]["message"]
+
+
+def test_a_near_zero_temperature_is_greedy(client, spec):
+    """1e-40 would overflow the logits to inf and the probabilities to NaN: it counts as 0 (greedy)."""
+    prompt = words(repetitive_prompt(20, 4, seed=9))
+    greedy = spec.generate(prompt, "anpd", max_new_tokens=16).text
+    for temperature in (1e-40, 1e-6):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=temperature)
+        assert response.choices[0].text == greedy
+
+
+def test_request_bodies_over_the_limit_get_413(server):
+    """The default limit is 1 MiB, whether the body says its length or comes in chunks."""
+    body = json.dumps({"prompt": "w5", "user": "x" * (1 << 20)}).encode()
+    headers = {**auth(), "Content-Type": "application/json"}
+    before = metric(server.url, "speculum_rejected_requests_total", auth(), reason="too_large")
+    for content in (body, (body[i : i + 65536] for i in range(0, len(body), 65536))):
+        response = httpx.post(server.url + "/v1/completions", content=content, headers=headers)
+        assert response.status_code == 413
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and "1048576 bytes" in error["message"]
+    assert metric(server.url, "speculum_rejected_requests_total", auth(), reason="too_large") == before + 2
+    small = {"prompt": "w5", "max_tokens": 2, "user": "x" * 1000}
+    assert httpx.post(server.url + "/v1/completions", json=small, headers=auth()).status_code == 200
 
 
 def test_bad_input_through_the_openai_client(client):
@@ -425,7 +475,8 @@ def test_speculum_serve_saves_its_pool_on_shutdown(model_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "speculum.cli", "serve", "--model", model_dir, "--port", str(port)]
-    command += ["--method", "anpd", "--param", "persist=true", "--param", f"pool_path={pool}", "--log-level", "warning"]
+    command += ["--method", "anpd", "--param", "persist=true", "--param", f"pool_path={pool}", "--share-pools"]
+    command += ["--log-level", "warning"]
     env = {**os.environ, "SPECULUM_API_KEY": KEY}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -464,6 +515,13 @@ def test_serve_refuses_bad_options():
     result = CliRunner().invoke(app, ["serve", "--method", "nope"])
     assert result.exit_code == 2
     assert "unknown method" in result.output and "Traceback" not in result.output
+    # a pool kept across requests is shared by every client: only with --share-pools (refused before loading)
+    for param in ("persist=true", "pool_path=anpd.pool"):
+        result = CliRunner().invoke(app, ["serve", "--method", "anpd", "--param", param])
+        assert result.exit_code == 2, result.output
+        assert "--share-pools" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["serve", "--max-body-bytes", "0"])
+    assert result.exit_code == 2
 
 
 # ---------------------------------------------------------------------------------------- stop strings, unit
@@ -491,6 +549,169 @@ def test_output_without_stop_strings_shows_everything():
     out = Output([])
     out.add(pieces("a", "b"))
     assert [p.text for p in out.take()] == ["a", "b"] and out.num_tokens == 2 and not out.stopped
+
+
+def naive_output(stop: list[str], batches: list[list[str]]) -> list[tuple[str, bool, int]]:
+    """What Output must say after each batch (text, stopped, held back), the slow obvious way: the
+    earliest stop string that ends in the new text cuts it; else the longest end of the text that a
+    stop string begins with is held back."""
+    text, states = "", []
+    for batch in batches:
+        new = text + "".join(batch)
+        hits = [(at, s) for s in stop if (at := new.find(s, max(0, len(text) - len(s) + 1))) >= 0]
+        if hits:
+            at, _ = min(hits)
+            return [*states, (new[:at], True, 0)]
+        text = new
+        held = max((k for s in stop for k in range(len(s)) if text.endswith(s[:k])), default=0)
+        states.append((text, False, held))
+    return states
+
+
+def test_output_matches_the_naive_search():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        batches = [
+            ["".join(rng.choice("abc") for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 3))]
+            for _ in range(rng.randint(1, 8))
+        ]
+        out, states = Output(stop), []
+        for batch in batches:
+            out.add(pieces(*batch))
+            states.append((out.text, out.stopped, 0 if out.stopped else out._pending_stop()))
+            if out.stopped:
+                break
+        assert states == naive_output(stop, batches), (stop, batches)
+
+
+def test_output_cost_per_step_does_not_grow_with_the_output():
+    """The longest stop strings allowed, one character per step, a text that ends with no long
+    beginning of one: the search reads each new character once (the old one tried every end of the
+    text up to 255 characters long, every step)."""
+    out = Output(["x" + "a" * 255, "y" * 3, "ab" * 128])
+    start = time.perf_counter()
+    for _ in range(40_000):
+        out.add(pieces("a"))
+        out.take()
+    assert time.perf_counter() - start < 2.0  # about 0.1 s; the old search took 6 s
+    assert not out.stopped and out._pending_stop() == 1
+    out.add(pieces("b" + "ab" * 127))
+    assert out.stopped and len(out.text) == 40_000 - 1
+
+
+# ---------------------------------------------------------------------------------------- in-process apps
+
+
+@contextmanager
+def app_client(method: str = "anpd", params: dict | None = None, **settings):
+    """An app on a fresh copy of the tiny model (its own drafters and pools), served in this process."""
+    from fastapi.testclient import TestClient
+
+    spec = build_spec()
+    spec.default_config = SpeculativeConfig.coerce(method, **(params or {}))
+    app = create_app(spec, ServerSettings(**settings))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, spec
+
+
+def speculation_of(client, body: dict) -> dict:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["speculation"]
+
+
+def counted(client, name: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+OUROBOROS = dict(window_size=2, ngram_size=3, guess_set_size=3, num_speculative_tokens=3, context_phrases=True)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_pools_are_per_request_unless_shared(share):
+    """By default a request drafts only from its own text: the same request twice runs the same way.
+    With share_pools, what the first generated serves the second (Ouroboros' phrase pool, ANPD's table)."""
+    body = {"prompt": words(repetitive_prompt(12, 3, seed=7)), "max_tokens": 40}
+    keys = ("num_spec_steps", "num_accepted_tokens", "num_draft_forwards")
+    with app_client("ouroboros", OUROBOROS, share_pools=share) as (client, _):
+        first, second = (speculation_of(client, body) for _ in range(2))
+        same = all(first[k] == second[k] for k in keys)
+        assert same != share, (first, second)
+        anpd = {"method": "anpd", "persist": True}
+        if share:
+            first, second = (speculation_of(client, {**body, "speculative_config": anpd}) for _ in range(2))
+            assert second["num_accepted_tokens"] > first["num_accepted_tokens"]
+        else:
+            response = client.post("/v1/completions", json={**body, "speculative_config": anpd})
+            assert response.status_code == 400 and "--share-pools" in response.json()["error"]["message"]
+
+
+def test_keeping_pools_needs_share_pools():
+    spec = build_spec()
+    for params in ({"persist": True}, {"pool_path": "anpd.pool"}):
+        spec.default_config = SpeculativeConfig.coerce("anpd", **params)
+        with pytest.raises(InvalidInputError, match="--share-pools"):
+            create_app(spec, ServerSettings())
+        create_app(spec, ServerSettings(share_pools=True))
+
+
+def test_evicted_configurations_take_their_shared_pools_along():
+    """Clients sending many Ouroboros configurations: only the kept drafters' pools stay."""
+    with app_client(share_pools=True, max_configs=2) as (client, spec):
+        for n in range(2, 8):
+            config = {"method": "ouroboros", **OUROBOROS, "ngram_size": n}
+            speculation_of(client, {"prompt": "w5 w6 w7 w5 w6", "max_tokens": 4, "speculative_config": config})
+        pools = {id(d.pool) for d in spec._drafters.values() if hasattr(d, "pool")}
+        assert len(spec._drafters) == 2
+        assert {id(p) for p in spec._shared.values()} == pools and len(pools) == 2
+
+
+def test_a_failed_pool_save_fails_no_request(tmp_path):
+    """Ouroboros saved its pool after every request, on the worker thread: a write that failed turned
+    the finished request into a 500. The server saves between requests, logs and counts failures."""
+    params = {**OUROBOROS, "pool_path": str(tmp_path / "missing" / "ouroboros.pool")}
+    with app_client("ouroboros", params, share_pools=True, pool_save_interval=0) as (client, _):
+        assert counted(client, "speculum_pool_save_failures_total") == 0
+        response = client.post("/v1/completions", json={"prompt": "w5 w6 w7 w5 w6", "max_tokens": 8})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+        deadline = time.monotonic() + 10
+        while counted(client, "speculum_pool_save_failures_total") < 1:
+            assert time.monotonic() < deadline, "the failed save was not counted"
+            time.sleep(0.05)
+
+
+def test_pools_are_saved_on_schedule_and_at_shutdown(tmp_path):
+    path = tmp_path / "ouroboros.pool"
+    params = {**OUROBOROS, "pool_path": str(path)}
+    with app_client("ouroboros", params, share_pools=True, pool_save_interval=3600) as (client, _):
+        speculation_of(client, {"prompt": "w5 w6 w7 w5 w6", "max_tokens": 8})
+        time.sleep(0.5)  # a few turns of the worker's loop
+        assert not path.exists()  # not after every request: at most once an hour here
+    assert path.exists()  # at shutdown
+    with app_client("ouroboros", params, share_pools=True, pool_save_interval=0) as (client, _):
+        before = path.stat().st_mtime_ns
+        speculation_of(client, {"prompt": "w8 w9 w8 w9", "max_tokens": 8})
+        deadline = time.monotonic() + 10
+        while path.stat().st_mtime_ns == before:  # saved between requests, not waiting for shutdown
+            assert time.monotonic() < deadline, "the pool was not saved after the request"
+            time.sleep(0.05)
+
+
+def test_the_body_limit_is_configurable():
+    with app_client(max_body_bytes=2000) as (client, _):
+        body = {"prompt": "w5", "max_tokens": 2, "user": "x" * 1900}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        body["user"] = "x" * 2000
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
 
 # ---------------------------------------------------------------------------------------- the library's stream

@@ -174,3 +174,20 @@ def test_each_request_uses_the_shipped_head_trained_nearest_its_temperature(draf
     for sampling, expected in cases:
         policy.reset(sampling)
         assert policy.head.training_info["data"]["temperature"] == expected
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ouroboros"])
+def test_oracle_refuses_sampling_at_the_call(draft, method):
+    """The oracle drops a drafted token because of its value: under sampling that biases the draft's
+    distribution, so a sampled request is refused when it is made, before anything runs."""
+    from speculum import engine
+    from speculum.runner import ModelRunner
+    from speculum.sampling import SamplingParams
+
+    target = tiny_model("llama")
+    runner = ModelRunner(target)
+    drafter = build_drafter(method, draft_model=draft, length_policy="oracle", num_speculative_tokens=4)
+    with pytest.raises(InvalidInputError, match="greedy analysis only"):
+        engine.run(runner, [1, 5, 6, 7], drafter, SamplingParams(temperature=0.8), 8)
+    steps = engine.run(runner, [1, 5, 6, 7], drafter, SamplingParams(), 8)  # greedy stays allowed
+    assert sum(len(step) for step in steps) == 8

@@ -161,3 +161,63 @@ def test_lazy_head_auto_only_for_half_precision_cpu():
     assert not ModelRunner(tiny_model("llama")).lazy_head
     assert ModelRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head
     assert not ModelRunner(tiny_model("gpt2", dtype=torch.bfloat16)).lazy_head  # not a known plain-head model
+
+
+def test_from_draft_keeps_at_most_max_nodes_and_stays_a_tree():
+    draft = Draft([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 3, -1])
+    tree = TokenTree.from_draft(1, draft, max_nodes=3)
+    assert tree.tokens == [1, 5, 6, 7] and tree.parents == [-1, 0, 1, 1]
+    assert tree.node_of == [1, 2, 3, -1, -1, -1]  # the rest: not verified
+
+
+class _HugeTreeDrafter:
+    """Proposes far more nodes than one forward may verify: the right chain first, then junk."""
+
+    name = "huge"
+    wants_hidden_states = False
+    forwards = 0
+
+    def __init__(self, truth, nodes):
+        self.truth, self.nodes = truth, nodes
+
+    def check(self, sampling):
+        pass
+
+    def start(self, ctx):
+        self.prompt_length = ctx.prompt_length
+
+    def propose(self, ctx):
+        done = len(ctx.tokens) - self.prompt_length
+        right = self.truth[done : done + 4]
+        tokens, parents = list(right), list(range(-1, len(right) - 1))
+        for first in range(VOCAB):  # then a wide junk tree two deep (distinct siblings: nothing merges)
+            tokens.append(first)
+            parents.append(-1)
+            parent = len(tokens) - 1
+            for second in range(VOCAB):
+                tokens.append(second)
+                parents.append(parent)
+        return Draft(tokens[: self.nodes], parents[: self.nodes])
+
+    def observe(self, ctx, outcome):
+        self.largest = max(getattr(self, "largest", 0), outcome.drafted)
+
+    def finish(self, ctx):
+        pass
+
+
+def test_the_engine_verifies_at_most_max_draft_nodes():
+    """Whatever a drafter proposes, one forward verifies at most MAX_DRAFT_NODES draft nodes (the
+    rest is dropped, which is lossless)."""
+    from speculum.tree import MAX_DRAFT_NODES
+
+    from helpers import generate_ids
+    from tiny_models import reference_greedy
+
+    model = tiny_model("llama")
+    prompt = [3, 4, 5, 6]
+    truth = reference_greedy(model, prompt, 12)
+    drafter = _HugeTreeDrafter(truth, MAX_DRAFT_NODES + 500)
+    out, stats = generate_ids(model, prompt, drafter, 12)
+    assert out == truth
+    assert max(stats.draft_sizes) == MAX_DRAFT_NODES and stats.accepted_tokens > 0

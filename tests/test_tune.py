@@ -8,9 +8,10 @@ from typer.testing import CliRunner
 import speculum
 from speculum.bench.replay import replay
 from speculum.cli import app
+from speculum.costs import CostModel, two_branch_tree
 from speculum.errors import ConfigFileError, InvalidInputError
 from speculum.methods import SpeculativeConfig
-from speculum.tune import CostModel, _two_branch_tree, tune
+from speculum.tune import ReplayScorer, prepare_prompts, tune
 
 PROMPTS = ["w3 w4 w5 w6 w3 w4 w5 w6 w3 w4", "w9 w8 w7 w9 w8 w7 w9", "w1 w2 w3 w11 w12 w13 w1 w2"]
 
@@ -29,7 +30,7 @@ def test_cost_model_interpolates_and_extrapolates():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8, 9])
 def test_cost_tree_has_k_nodes_in_two_branches(k):
-    tree = _two_branch_tree(list(range(20)), k)
+    tree = two_branch_tree(list(range(20)), k)
     assert len(tree) == k
     assert sum(1 for p in tree.parents if p == 0) == min(2, k - 1)
     assert tree.is_chain == (k <= 2)
@@ -37,7 +38,7 @@ def test_cost_tree_has_k_nodes_in_two_branches(k):
 
 def test_cost_model_measures_every_k(spec):
     ids = spec.encode_prompt(PROMPTS[0])
-    cost = CostModel.measure(spec.runner, ids, ks=(1, 4), reps=1)
+    cost = CostModel.measure(spec.runner, ids, sizes=(1, 4), reps=1)
     assert [k for k, _ in cost.points] == [1, 4] and all(t > 0 for _, t in cost.points)
     again = spec.generate(PROMPTS[0], "autoregressive", max_new_tokens=4)  # the cache work left nothing behind
     assert len(again.token_ids) == 4
@@ -53,6 +54,20 @@ def test_replay_with_a_real_draft_model_matches_a_real_run(spec, params):
     replayed = replay(ids, real.token_ids, drafter, spec.eos_token_ids)
     assert replayed.accept_lengths == real.stats.accept_lengths
     assert replayed.draft_sizes == real.stats.draft_sizes
+
+
+def test_scoring_ouroboros_follows_a_real_run_over_prompts_sharing_a_pool(model_dir):
+    """Ouroboros' verification phrases read the target's predictions at rejected draft tokens: the
+    scorer replays with the target at hand, so each step and the pool carried from prompt to
+    prompt are the real run's."""
+    spec = speculum.load(model_dir, draft="self:1", dtype="float32")  # its phrase pool starts empty
+    ids = [spec.encode_prompt(p) for p in PROMPTS]
+    params = {"num_speculative_tokens": 3, "window_size": 2, "ngram_size": 3, "guess_set_size": 3}
+    real = [spec.generate(i, "ouroboros", max_new_tokens=20, **params).stats for i in ids]
+    prompts = prepare_prompts(spec, ids, 20)
+    scored = ReplayScorer(spec, "ouroboros", prompts, CostModel([(1, 1e-3), (2, 2e-3)])).score(params)
+    assert scored.trajectory == tuple((tuple(s.draft_sizes), tuple(s.accept_lengths), s.draft_forwards) for s in real)
+    assert all(p.replayer.target_forwards > 0 for p in prompts)  # rejected drafts were read off the path
 
 
 def test_tune_keeps_fixed_params_and_never_chooses_worse_than_the_start(spec):

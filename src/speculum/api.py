@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from speculum import accel, engine
+from speculum.controller import Controller
+from speculum.costs import CostModel, measured_cost_model
 from speculum.drafters.base import Resources
 from speculum.errors import InvalidInputError
 from speculum.methods import SpeculativeConfig
@@ -62,6 +64,9 @@ class Speculum:
         self.runner = ModelRunner(model)
         self._drafters: dict[tuple, Any] = {}
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
+        self._shared_uses: dict[tuple, set] = {}  # drafter key -> the keys of _shared that drafter used
+        self._controllers: dict[tuple, Controller] = {}  # drafter key -> its controller (what it learned)
+        self._cost_model: CostModel | None = None
         self._vocab_key: str | None = None
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         # what generate() uses when no method is named: load(config=...) sets it
@@ -73,10 +78,18 @@ class Speculum:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: raw text, chat messages (chat template applied) or ids as they are."""
+        ids = self._encode(prompt)
+        if not ids:  # e.g. text the tokenizer drops entirely: the engine needs at least one token
+            raise InvalidInputError("the prompt encodes to no tokens")
+        return ids
+
+    def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidInputError("the prompt is empty")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidInputError("the prompt is empty")
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidInputError("this model's tokenizer has no chat template; pass the prompt as text")
@@ -102,8 +115,46 @@ class Speculum:
         """Drafters are built once per configuration and reused (their per-request state resets in start())."""
         key = config.key()
         if key not in self._drafters:
-            self._drafters[key] = config.drafter_class()(config.options(), self.resources())
+            used = self._shared_uses[key] = set()
+            resources = replace(self.resources(), shared=_SharedView(self._shared, used))
+            try:
+                self._drafters[key] = config.drafter_class()(config.options(), resources)
+            except BaseException:
+                del self._shared_uses[key]
+                raise
         return self._drafters[key]
+
+    def forget(self, config: str | SpeculativeConfig) -> None:
+        """Drop the drafter built for ``config``, and the shared objects (e.g. Ouroboros' phrase pool)
+        that no remaining drafter of ``drafter_for`` uses: a long-running server that keeps only its
+        recent configurations bounds their pools this way too. The next use of ``config`` starts afresh."""
+        key = SpeculativeConfig.coerce(config).key()
+        self._drafters.pop(key, None)
+        self._controllers.pop(key, None)
+        self._shared_uses.pop(key, None)
+        in_use = set().union(*self._shared_uses.values())
+        for name in [name for name in self._shared if name not in in_use]:
+            del self._shared[name]
+
+    @property
+    def cost_model(self) -> CostModel:
+        """What a verification forward of n tree nodes costs the target on this machine: measured once
+        (a second or two, cached on disk for this model, dtype, device, threads and CPU), then refined
+        by every forward the controller sees."""
+        if self._cost_model is None:
+            self._cost_model = measured_cost_model(self.runner)
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        self._cost_model = model
+
+    def controller_for(self, config: SpeculativeConfig) -> Controller:
+        """The controller of ``config``'s drafter (kept, with what it learned, across requests)."""
+        key = config.key()
+        if key not in self._controllers:
+            self._controllers[key] = Controller(self.cost_model)
+        return self._controllers[key]
 
     def resources(self) -> Resources:
         """What drafters may use: the target (LM head, embeddings), the draft model, the tokenizer..."""
@@ -145,8 +196,9 @@ class Speculum:
             generator = torch.Generator(device=self.runner.output_device)
             generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         stats = Stats()
+        controller = self.controller_for(config) if config.controlled else None
         steps = engine.run(
-            self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats
+            self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats, controller
         )
         if not stream:
             new_ids = [token for step in steps for token in step]
@@ -178,6 +230,32 @@ class Speculum:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class _SharedView(MutableMapping):
+    """``Speculum._shared`` as one drafter sees it: records the keys the drafter reads or sets, so that
+    ``Speculum.forget`` knows which shared objects are still in use."""
+
+    def __init__(self, shared: dict, used: set):
+        self._shared = shared
+        self._used = used
+
+    def __getitem__(self, key):
+        self._used.add(key)
+        return self._shared[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._used.add(key)
+        self._shared[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._shared[key]
+
+    def __iter__(self):
+        return iter(self._shared)
+
+    def __len__(self) -> int:
+        return len(self._shared)
 
 
 class IncrementalText:
@@ -234,6 +312,9 @@ def load(
     ``config``: a method config (or the path of a config file from ``speculum tune --out``) that
     ``generate()`` then uses when no method is named; ``model`` and ``draft`` default to the ones
     the file names.
+    ``dtype="auto"`` on a CPU times prepacked float32 against bfloat16 on the target's shapes (once per
+    machine and model, cached; float32 where the CPU has no native bfloat16) and a draft model takes
+    the same dtype; ``spec.dtype_choice`` (a ``speculum.models.DtypeChoice``) says what was chosen and why.
     """
     from speculum import models
 
@@ -244,8 +325,14 @@ def load(
     if prepack not in (True, False, "auto"):
         raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
     name = model or models.DEFAULT_MODEL
-    target, tokenizer = models.load_model(
-        name, dtype=dtype, device=device, gguf_file=gguf_file, device_map=device_map, offload_folder=offload_folder
+    target, tokenizer, dtype_choice = models.load_with_dtype_choice(
+        name,
+        dtype=dtype,
+        device=device,
+        gguf_file=gguf_file,
+        device_map=device_map,
+        offload_folder=offload_folder,
+        prepack=bool(prepack),
     )
     if prepack:
         accel.prepack(target)  # before building a self-draft, which then shares the packed layers
@@ -256,11 +343,15 @@ def load(
             draft_model, draft_tokenizer = models.make_self_draft(target, self_layers), tokenizer
         else:
             draft_device = draft_device or (device if device_map is None else "cpu")
-            draft_model, draft_tokenizer = models.load_model(draft, dtype=dtype, device=draft_device)
+            # "auto" on a CPU: the draft takes the dtype measured for the target (the pair shares one dtype)
+            same_cpu = dtype_choice.requested == "auto" and str(device) == str(draft_device) == "cpu"
+            draft_dtype = dtype_choice.dtype if same_cpu else dtype
+            draft_model, draft_tokenizer = models.load_model(draft, dtype=draft_dtype, device=draft_device)
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
             if prepack:
                 accel.prepack(draft_model)
     spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
+    spec.dtype_choice = dtype_choice  # the target's dtype and why (dtype="auto" measures on a CPU)
     if config is not None:
         spec.default_config = config
     return spec

@@ -67,6 +67,14 @@ def generate(
         ),
     ] = None,  # fmt: skip
     param: Annotated[list[str] | None, typer.Option(help="Method parameter key=value (repeatable).")] = None,
+    controller: Annotated[
+        bool | None,
+        typer.Option(
+            "--controller/--no-controller",
+            help="Let the controller decide each round whether drafting pays and what to verify "
+            "(--no-controller: the method as published).",
+        ),
+    ] = None,  # fmt: skip
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -93,6 +101,8 @@ def generate(
             params["num_speculative_tokens"] = num_speculative_tokens
         if length_policy is not None:
             params["length_policy"] = length_policy
+        if controller is not None:
+            params["controller"] = controller
         if config is not None:
             file_config = speculum.SpeculativeConfig.from_file(config)
             if method is not None and method != file_config.method:
@@ -134,10 +144,10 @@ def generate(
     if json_output:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     elif stats:
-        print_stats(result, config)
+        print_stats(result, config, getattr(spec, "dtype_choice", None))
 
 
-def print_stats(result, config) -> None:
+def print_stats(result, config, dtype_choice=None) -> None:
     s = result.stats
     table = Table(title=f"{config!r}", show_header=False, title_justify="left")
     rows = [
@@ -154,9 +164,22 @@ def print_stats(result, config) -> None:
             f"(wall {s.wall_time:.2f}s)",
         ),
     ]
+    if s.rounds_drafted or s.rounds_plain:
+        rows += [
+            (
+                "controller: rounds drafted / plain, nodes pruned",
+                f"{s.rounds_drafted} / {s.rounds_plain}, {s.nodes_pruned} (own time {s.time_control * 1e3:.1f} ms)",
+            ),
+            (
+                "controller: predicted / realised tokens/s",
+                f"{s.predicted_tokens_per_second:.2f} / {s.drafted_tokens_per_second:.2f} (rounds that drafted)",
+            ),
+        ]
     for name, value in rows:
         table.add_row(name, value)
     err.print(table)
+    if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
+        err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()
@@ -557,6 +580,18 @@ def serve(
         float, typer.Option(min=0.1, help="Seconds a request may take, queueing included.")
     ] = 600.0,
     max_tokens: Annotated[int, typer.Option(min=1, help="The most tokens a request may ask for.")] = 4096,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="The largest request body; larger get 413.")] = 1048576,
+    share_pools: Annotated[
+        bool,
+        typer.Option(
+            help="Keep drafters' pools across requests (persist, reuse_history, pool_path), shared by every "
+            "client: one client's statistics may then show what another's requests generated. "
+            "Off: each request drafts from its own text only."
+        ),
+    ] = False,
+    pool_save_interval: Annotated[
+        float, typer.Option(min=0.0, help="Seconds between saves of pools with a pool_path (and at shutdown).")
+    ] = 60.0,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
     draft_device: Annotated[str | None, typer.Option(help="Put the draft model on another device.")] = None,
@@ -569,7 +604,7 @@ def serve(
     import speculum
 
     try:
-        from speculum.server import ServerSettings
+        from speculum.server import ServerSettings, server_config
         from speculum.server import serve as run_server
     except ImportError as error:
         fail(f"speculum serve needs the server extra: pip install 'speculum[server]' ({error})")
@@ -584,6 +619,7 @@ def serve(
             draft = draft or file_config.metadata.get("draft")
         else:
             spec_config = speculum.SpeculativeConfig.coerce(method or "anpd", **params)
+        server_config(spec_config, share_pools)  # refuses persistent pools without --share-pools, before loading
         model = model or "gemma-3-270m"
         if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             err.print(
@@ -607,6 +643,9 @@ def serve(
             request_timeout=request_timeout,
             max_tokens_limit=max_tokens,
             default_max_tokens=min(256, max_tokens),
+            max_body_bytes=max_body_bytes,
+            share_pools=share_pools,
+            pool_save_interval=pool_save_interval,
         )
         err.print(f"speculum serve: {model} ({spec_config!r}) on http://{host}:{port}/", highlight=False)
         run_server(spec, settings, host=host, port=port, log_level=log_level)

@@ -31,3 +31,7 @@ class ConfigFileError(InvalidInputError):
 
 class CheckpointError(SpeculumError):
     """A trained head checkpoint that is corrupt, half-written, or belongs to another model."""
+
+
+class ReplayError(InvalidInputError):
+    """An exact replay (:mod:`speculum.bench.replay`) asked for something its record cannot give exactly."""

@@ -23,6 +23,7 @@ METHODS: dict[str, str] = {
     "ouroboros": "speculum.drafters.ouroboros:OuroborosDrafter",
     "medusa": "speculum.drafters.medusa:MedusaDrafter",
     "ctc": "speculum.drafters.ctc:CTCDrafter",
+    "auto": "speculum.drafters.auto:AutoDrafter",
 }
 
 
@@ -35,20 +36,36 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+# Whether the controller (speculum.controller) runs when a config does not say: it decides each
+# round whether drafting pays on this machine and which draft nodes to verify.
+DEFAULT_CONTROLLER = False
+
+
 class SpeculativeConfig:
     """A method and its parameters, vLLM-style::
 
         SpeculativeConfig(method="draft_model", num_speculative_tokens=5, length_policy="fixed")
 
-    Parameters other than ``method`` and ``num_speculative_tokens`` are method-specific; unknown
-    ones are refused with the list of valid names.
+    Parameters other than ``method``, ``num_speculative_tokens`` and ``controller`` are
+    method-specific; unknown ones are refused with the list of valid names. ``controller``: let the
+    controller decide each round whether to draft and what to verify (None: ``DEFAULT_CONTROLLER``;
+    False: the method exactly as published, for ablations and reproductions).
     """
 
-    def __init__(self, method: str = "autoregressive", num_speculative_tokens: int | None = None, **params: Any):
+    def __init__(
+        self,
+        method: str = "autoregressive",
+        num_speculative_tokens: int | None = None,
+        controller: bool | None = None,
+        **params: Any,
+    ):
         if method not in METHODS:
             raise UnknownMethodError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        if controller is not None and not isinstance(controller, bool):
+            raise InvalidInputError(f"controller must be true or false, got {controller!r}")
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens
+        self.controller = controller
         self.params = dict(params)
         self.metadata: dict[str, Any] = {}  # what a config file said besides the method (model, draft, tuning)
         self.options()  # validate now, not in the middle of a generation
@@ -73,17 +90,27 @@ class SpeculativeConfig:
             raise InvalidInputError(f"bad parameters for {self.method!r}: {err}") from None
 
     def key(self) -> tuple:
-        """A hashable identity (drafters are cached by it); list values such as tree choices become tuples."""
+        """A hashable identity of the drafter (drafters are cached by it; the controller setting is not
+        part of it); list values such as tree choices become tuples."""
         return (self.method, self.num_speculative_tokens, _frozen(sorted(self.params.items(), key=str)))
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the controller runs for this config (never for plain decoding: nothing to decide)."""
+        wanted = DEFAULT_CONTROLLER if self.controller is None else self.controller
+        return wanted and self.method != "autoregressive"
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
         k = f", num_speculative_tokens={self.num_speculative_tokens}" if self.num_speculative_tokens else ""
-        return f"SpeculativeConfig(method={self.method!r}{k}{extra})"
+        c = f", controller={self.controller}" if self.controller is not None else ""
+        return f"SpeculativeConfig(method={self.method!r}{k}{c}{extra})"
 
     def all_params(self) -> dict[str, Any]:
-        """The parameters as given, ``num_speculative_tokens`` included when set."""
+        """The parameters as given, ``num_speculative_tokens`` and ``controller`` included when set."""
         extra = {} if self.num_speculative_tokens is None else {"num_speculative_tokens": self.num_speculative_tokens}
+        if self.controller is not None:
+            extra["controller"] = self.controller
         return {**extra, **self.params}
 
     # ------------------------------------------------------------------ config files
@@ -143,11 +170,13 @@ class SpeculativeConfig:
             if params:
                 merged = {**method.params, **params}
                 k = merged.pop("num_speculative_tokens", method.num_speculative_tokens)
-                config = cls(method.method, k, **merged)
+                controller = merged.pop("controller", method.controller)
+                config = cls(method.method, k, controller, **merged)
                 config.metadata = dict(method.metadata)
                 return config
             return method
         if not isinstance(method, str):
             raise InvalidInputError(f"method must be a name or a SpeculativeConfig, got {type(method).__name__}")
         k = params.pop("num_speculative_tokens", None)
-        return cls(method, k, **params)
+        controller = params.pop("controller", None)
+        return cls(method, k, controller, **params)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from speculum.errors import InvalidInputError
+from speculum.tree import MAX_DRAFT_NODES
 
 POLICIES = ("fixed", "heuristic", "confidence", "specdecpp", "oracle")
 
@@ -48,6 +49,9 @@ class LengthPolicy:
     def reset(self, sampling=None) -> None:
         """A new request, decoded with ``sampling`` (SamplingParams; None: unknown)."""
         self.length = self.initial
+
+    def check(self, sampling) -> None:
+        """Refuse (InvalidInputError) a request this policy cannot serve exactly, before it starts."""
 
     def begin_round(self, tokens: list[int]) -> None:
         """A new round drafts after ``tokens`` (every committed token)."""
@@ -125,6 +129,7 @@ class SpecDecPPStop(LengthPolicy):
         self.min_tokens = min_tokens
         self.passes = 1.0  # predicted P(every candidate so far accepted)
         self.previous_confidence: float | None = None  # the draft's probability of the previous candidate
+        self.head_calls = 0  # head evaluations in this request (what the head costs)
         self._use(self.heads[0])
 
     def _use(self, head) -> None:
@@ -133,6 +138,7 @@ class SpecDecPPStop(LengthPolicy):
 
     def reset(self, sampling=None) -> None:
         super().reset(sampling)
+        self.head_calls = 0
         if len(self.heads) > 1:
             temperature = 0.0 if sampling is None or sampling.greedy else sampling.temperature
             self._use(min(self.heads, key=lambda h: abs(head_temperature(h) - temperature)))
@@ -143,6 +149,7 @@ class SpecDecPPStop(LengthPolicy):
     def should_stop(self, step: DraftStep) -> bool:
         if getattr(self.head, "early", False):
             # an early head scores this very candidate from the state that produced it
+            self.head_calls += 1
             self.passes *= float(self.head.accept_probability(step.hidden, step.confidence))
             return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
         # step.hidden is where the previous candidate was the input: it scores that candidate
@@ -152,6 +159,7 @@ class SpecDecPPStop(LengthPolicy):
         )
         if step.position == 0 or step.hidden is None:
             return False  # the first forward's input is the last committed token, not a candidate
+        self.head_calls += 1
         self.passes *= float(self.head.accept_probability(step.hidden, previous))
         return step.position + 1 >= self.min_tokens and 1.0 - self.passes > self.threshold
 
@@ -171,6 +179,12 @@ class OracleStop(LengthPolicy):
         super().__init__(num_speculative_tokens)
         self.reference: list[int] = []
         self.round_start = 0
+
+    def check(self, sampling) -> None:
+        # Under sampling, dropping a drafted token because of its value would change the distribution
+        # the draft's tokens are drawn from (q), which the verifier assumes: the output would be biased.
+        if sampling is not None and not sampling.greedy:
+            raise InvalidInputError("length_policy='oracle' is for greedy analysis only; it cannot sample exactly")
 
     def set_reference(self, sequence: list[int]) -> None:
         """The prompt followed by the target's greedy output."""
@@ -213,6 +227,9 @@ def make_policy(
 def check_policy_options(options) -> None:
     """Validate a drafter's length-policy options (``length_policy``, ``num_speculative_tokens``,
     ``confidence_threshold``, ``stop_threshold``, ``min_draft_tokens``, ``acceptance_head``)."""
+    k = options.num_speculative_tokens
+    if isinstance(k, int) and not isinstance(k, bool) and k > MAX_DRAFT_NODES:
+        raise InvalidInputError(f"num_speculative_tokens may be at most {MAX_DRAFT_NODES}, got {k}")
     make_policy(
         options.length_policy,
         options.num_speculative_tokens,

@@ -21,20 +21,27 @@ from transformers.generation.logits_process import (
 
 from speculum.errors import InvalidInputError
 
+# Temperatures below this count as 0 (greedy): dividing logits by, say, 1e-40 overflows them to
+# inf and the softmax to NaN, and sampling that cold is greedy in effect.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy decoding; top_k 0 and top_p 1.0 mean "no filter"."""
+    """temperature 0 means greedy decoding, and so does any temperature below ``GREEDY_TEMPERATURE``
+    (1e-5; ``temperature`` then reads 0.0); top_k 0 and top_p 1.0 mean "no filter"."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
-            raise InvalidInputError(f"temperature must be a number, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise InvalidInputError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise InvalidInputError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # frozen: set once, here
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -25,6 +25,19 @@ class Stats:
     time_other: float = 0.0
     wall_time: float = 0.0
     stop_reason: str = ""
+    # the controller (speculum.controller), when on: rounds that asked the drafter, plain rounds it
+    # chose instead, draft nodes it did not verify, its own time, and what it expected of the
+    # rounds that asked (committed tokens, seconds) beside what they gave (tokens, seconds)
+    rounds_drafted: int = 0
+    rounds_plain: int = 0
+    nodes_pruned: int = 0
+    time_control: float = 0.0
+    predicted_tokens: float = 0.0
+    predicted_time: float = 0.0
+    drafted_round_tokens: int = 0
+    drafted_round_time: float = 0.0
+    # accepted draft tokens by the drafter that proposed them (drafts composed by ``auto``)
+    accepted_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -54,6 +67,16 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time else 0.0
 
+    @property
+    def predicted_tokens_per_second(self) -> float:
+        """What the controller expected of the rounds that drafted (their verification forwards)."""
+        return self.predicted_tokens / self.predicted_time if self.predicted_time else 0.0
+
+    @property
+    def drafted_tokens_per_second(self) -> float:
+        """What the rounds that drafted gave, drafting time included."""
+        return self.drafted_round_tokens / self.drafted_round_time if self.drafted_round_time else 0.0
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for name in (
@@ -63,6 +86,8 @@ class Stats:
             "discard_rate",
             "verification_rate",
             "tokens_per_second",
+            "predicted_tokens_per_second",
+            "drafted_tokens_per_second",
         ):
             out[name] = getattr(self, name)
         return out

@@ -17,6 +17,12 @@ from functools import cached_property
 
 import torch
 
+# The most draft nodes one forward verifies (below the root). A tree's masks and attention grow with
+# n x (past + n): options that could build a bigger tree are refused up front (every drafter checks
+# its worst case with ``check_tree_size``), and the tree builder drops nodes beyond it, for any
+# drafter. 1024 is 8x the largest tree any published method uses (Medusa's 64, LADE's 120 on GPUs).
+MAX_DRAFT_NODES = 1024
+
 
 @dataclass
 class Draft:
@@ -40,30 +46,49 @@ class Draft:
     tokens: list[int]
     parents: list[int]
     probs: torch.Tensor | list[torch.Tensor | None] | None = None
+    # What the drafter believes of each node, in [0, 1]: how likely it is accepted given its parent
+    # is (the draft's probability of the token, an n-gram's agreement, a head's score), or None
+    # where it has no idea. Used only to choose what to verify (the controller calibrates it
+    # against what the target accepts). A sampled node's score must not depend on its own token:
+    # dropping a sampled token because of its value would bias the output.
+    scores: list[float | None] | None = None
+    # Which drafter proposed each node, for a draft composed from several (``auto``): the controller
+    # calibrates each one's scores apart, and the stats count accepted tokens by drafter.
+    sources: list[str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents must have the same length")
         if self.probs is not None and len(self.probs) != len(self.tokens):
             raise ValueError("probs must have one entry per draft node")
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError("scores must have one entry per draft node")
+        if self.sources is not None and len(self.sources) != len(self.tokens):
+            raise ValueError("sources must have one entry per draft node")
         for i, parent in enumerate(self.parents):
             if not -1 <= parent < i:
                 raise ValueError(f"draft node {i} has parent {parent}: parents must come before their children")
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | list | None = None) -> Draft:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+    def chain(cls, tokens: list[int], probs: torch.Tensor | list | None = None, scores: list | None = None) -> Draft:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores)
 
     @classmethod
-    def from_paths(cls, paths: list[list[int]], max_nodes: int | None = None) -> Draft:
+    def from_paths(
+        cls, paths: list[list[int]], max_nodes: int | None = None, weights: list[float] | None = None
+    ) -> Draft:
         """A deterministic draft holding every path (token sequences below the root) as a trie:
         shared prefixes become shared nodes, so each node's depth, and with it its position id, is
         its place in the sequence. Paths are taken in order (best first): once ``max_nodes`` nodes
-        exist, later paths only keep the prefix already in the trie."""
+        exist, later paths only keep the prefix already in the trie.
+
+        ``weights`` (each path's probability, as its drafter sees it) give every node a score: the
+        share of its parent's probability mass that goes through it."""
         tokens: list[int] = []
         parents: list[int] = []
+        mass: list[float] = []
         node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for path in paths:
+        for p, path in enumerate(paths):
             parent = -1
             for token in path:
                 node = node_of.get((parent, token))
@@ -73,8 +98,17 @@ class Draft:
                     node = node_of[(parent, token)] = len(tokens)
                     tokens.append(int(token))
                     parents.append(parent)
+                    mass.append(0.0)
+                if weights is not None:
+                    mass[node] += weights[p]
                 parent = node
-        return cls(tokens, parents)
+        if weights is None:
+            return cls(tokens, parents)
+        total = sum(weights[p] for p, path in enumerate(paths) if path)
+        scores = [
+            m / max(total if parent < 0 else mass[parent], 1e-30) for m, parent in zip(mass, parents, strict=True)
+        ]
+        return cls(tokens, parents, scores=[min(1.0, s) for s in scores])
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -124,9 +158,18 @@ class TokenTree:
                 self.node_of[j] = node
 
     @classmethod
-    def from_draft(cls, root_token: int, draft: Draft | None, max_depth: int | None = None) -> TokenTree:
+    def from_draft(
+        cls,
+        root_token: int,
+        draft: Draft | None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
+        keep: list[bool] | None = None,
+    ) -> TokenTree:
         """The tree for ``draft`` below ``root_token``: nodes deeper than ``max_depth`` dropped,
-        deterministic siblings with equal tokens merged (with their subtrees)."""
+        deterministic siblings with equal tokens merged (with their subtrees), draft nodes beyond the
+        first ``max_nodes`` kept dropped (parents come first, so what is kept is still a tree), and,
+        given ``keep`` (one flag per draft node), the nodes it says not to keep with their subtrees."""
         if draft is None or len(draft) == 0:
             return cls([root_token], [-1])
         tokens, parents, probs, source, depth = [root_token], [-1], [None], [-1], [0]
@@ -136,10 +179,14 @@ class TokenTree:
             parent_node = 0 if parent < 0 else node_of[parent]
             if parent_node < 0 or (max_depth is not None and depth[parent_node] >= max_depth):
                 continue  # below a dropped node, or too deep
+            if keep is not None and not keep[j]:
+                continue  # pruned (and so is its subtree: its children find no parent node)
             q = draft.q(j)
             if q is None and (parent_node, token) in deterministic_child:
                 node_of[j] = deterministic_child[(parent_node, token)]
                 continue
+            if max_nodes is not None and len(tokens) > max_nodes:
+                break  # dropping draft nodes is always lossless: they are simply not verified
             node_of[j] = len(tokens)
             if q is None:
                 deterministic_child[(parent_node, token)] = len(tokens)

@@ -10,6 +10,10 @@ How a candidate is scored, without timing noise where none is needed:
   once; greedy verification accepts exactly the draft tokens that match it, so every candidate is
   run through the engine's own loop with the target replaced by that recorded output
   (:mod:`speculum.bench.replay`). This gives each step's tree size and accepted length exactly.
+  Ouroboros' verification phrases also read the target's predictions at rejected draft tokens,
+  which no record holds: the replay computes those with the target (one forward at such a step,
+  after a cache of the prompt + reference made once per prompt); the other drafters cost no
+  target forward.
 * **Cost by measurement.** The drafter runs for real, so its time (draft-model forwards, n-gram
   lookups) is measured. The target's cost is a verification-cost curve t(K) measured once on this
   machine (one forward over a K-node tree after a cache of a typical prompt length). The predicted
@@ -25,17 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculum.bench.replay import replay
-from speculum.cache import crop
+from speculum.bench.replay import ReplayRunner
+from speculum.costs import CostModel
 from speculum.errors import InvalidInputError
 from speculum.methods import SpeculativeConfig
 from speculum.stats import Stats
-from speculum.tree import TokenTree
 
 # The parameters searched per method, in the order they are swept (the draft length first, as in
 # the paper, then what shapes the tree). A user's own --param values stay fixed.
@@ -85,65 +87,27 @@ EXTRA_STARTS: dict[str, list[dict[str, Any]]] = {
 
 
 @dataclass
-class CostModel:
-    """t(K): seconds of one target forward (and commit) over a K-node tree, measured at a few K and
-    interpolated linearly in between (extrapolated from the last two points beyond)."""
-
-    points: list[tuple[int, float]]
-
-    def __call__(self, k: int) -> float:
-        pts = self.points
-        if k <= pts[0][0]:
-            return pts[0][1]
-        for (k0, t0), (k1, t1) in zip(pts, pts[1:], strict=False):
-            if k <= k1:
-                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
-        (k0, t0), (k1, t1) = pts[-2], pts[-1]
-        return t1 + (t1 - t0) * (k - k1) / (k1 - k0)
-
-    @classmethod
-    def measure(cls, runner, prefix_ids: list[int], ks: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), reps: int = 5):
-        """Median time of ``reps`` forwards per K after a cache holding ``prefix_ids`` (one warm-up each)."""
-        cache = runner.new_cache()
-        runner.prefill(cache, prefix_ids[:-1])
-        past = len(prefix_ids) - 1
-        points = []
-        for k in ks:
-            tree = _two_branch_tree(prefix_ids, k)
-            times = []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                out = runner.forward(cache, tree)
-                out.logits[0].argmax()  # the verifier reads at least the root's row
-                times.append(time.perf_counter() - t0)
-                crop(cache, past)
-            points.append((k, statistics.median(times[1:])))
-        return cls(points)
-
-    def with_plain_step(self, prompts: list[TunePrompt]) -> CostModel:
-        """This curve with t(1) replaced by what plain decoding paid per token on ``prompts`` (the
-        median): a lone K=1 probe after a prefill reads high on some CPUs, and the plain baseline
-        is predicted with this same number."""
-        per_token = statistics.median((p.plain_time - p.prefill_time) / max(len(p.reference), 1) for p in prompts)
-        return CostModel([(1, per_token)] + [pt for pt in self.points if pt[0] > 1])
-
-
-def _two_branch_tree(ids: list[int], k: int) -> TokenTree:
-    """A K-node tree (root included) of two chains below the root, so the tree mask is paid as in
-    real drafts (a chain would take the cheaper causal path)."""
-    tokens = [ids[-1]] + [ids[i % len(ids)] for i in range(k - 1)]
-    second = 1 + k // 2  # the second chain starts here (nodes 1..second-1 are the first)
-    parents = [-1] + [0 if i in (1, second) else i - 1 for i in range(1, k)]
-    return TokenTree(tokens, parents)
-
-
-@dataclass
 class TunePrompt:
     ids: list[int]
     reference: list[int]  # the target's greedy output
     prefill_time: float
     plain_time: float  # plain decoding's wall time for the reference (measured once)
     hidden: Any = None  # the target's last hidden states over ids + reference (head drafters read them)
+    # made on the first replay and reused: it keeps the target's cache over ids + reference
+    replayer: ReplayRunner | None = field(default=None, repr=False)
+
+    def replay(self, drafter, spec) -> Stats:
+        """Exact replay of ``drafter`` on this prompt (``spec``: the target, for drafters that read
+        its outputs off the accepted path)."""
+        if self.replayer is None or self.replayer.sequence != self.ids + self.reference:
+            self.replayer = ReplayRunner(self.ids, self.reference, self.hidden, spec.runner)
+        return self.replayer.run(drafter, spec.eos_token_ids)
+
+
+def plain_seconds_per_token(prompts: list[TunePrompt]) -> float:
+    """What plain decoding paid per token on ``prompts`` (the median): a lone one-token probe after a
+    prefill reads high on some CPUs, and the plain baseline is predicted with this same number."""
+    return statistics.median((p.plain_time - p.prefill_time) / max(len(p.reference), 1) for p in prompts)
 
 
 @dataclass
@@ -225,10 +189,10 @@ class ReplayScorer:
         resources = dataclasses.replace(self.spec.resources(), shared={})
         drafter = config.drafter_class()(config.options(), resources)
         for p in warm_up:
-            replay(p.ids, p.reference, drafter, self.spec.eos_token_ids, p.hidden)
+            p.replay(drafter, self.spec)
         total, tokens, draft_time, lengths, trajectory = 0.0, 0, 0.0, [], []
         for p in self.prompts:
-            stats: Stats = replay(p.ids, p.reference, drafter, self.spec.eos_token_ids, p.hidden)
+            stats: Stats = p.replay(drafter, self.spec)
             model_time = sum(self.cost(size + 1) for size in stats.draft_sizes)
             total += p.prefill_time + stats.time_draft + stats.time_verify + stats.time_other + model_time
             tokens += stats.new_tokens
@@ -278,8 +242,8 @@ def tune(
     prompts = prepare_prompts(spec, prompt_ids, max_new_tokens, hidden=cls.wants_hidden_states)
     typical = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2]
     log("measuring the target's verification cost t(K)")
-    cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2])
-    cost = cost.with_plain_step(prompts)
+    cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2], reps=5)
+    cost = cost.with_plain_step(plain_seconds_per_token(prompts))
     log("t(K): " + ", ".join(f"K={k} {t * 1000:.1f} ms" for k, t in cost.points))
 
     scorer = ReplayScorer(spec, method, prompts, cost, log=log)

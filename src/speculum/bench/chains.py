@@ -209,7 +209,7 @@ class Totals:
     accepted_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
-    head_calls: int = 0  # hidden states the policy read (SpecDec++'s head evaluations)
+    head_calls: int = 0  # SpecDec++'s head evaluations (as the policy counts them)
     draft_sizes: list[int] = field(default_factory=list)  # candidates verified per target forward
 
     def add(self, other: Totals) -> None:
@@ -261,8 +261,6 @@ def simulate(
                 drafted += 1
                 if drafted >= budget or token in eos_token_ids:
                     break
-                if policy.needs_hidden and position > 0:
-                    totals.head_calls += 1
                 if policy.should_stop(step):
                     break
                 forwards += 1
@@ -278,4 +276,5 @@ def simulate(
         row += produced
         if chains.sequence[chains.prompt_length + row - 1] in eos_token_ids:
             break
+    totals.head_calls = getattr(policy, "head_calls", 0)
     return totals

@@ -120,6 +120,8 @@ def bench(
     except SpeculumError as e:
         _fail(str(e))
     meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
+    if getattr(spec, "dtype_choice", None) is not None:  # why this dtype (dtype="auto" measures on a CPU)
+        meta["dtype_choice"] = spec.dtype_choice.to_dict()
     from speculum.accel import is_packed
 
     meta["prepacked"] = is_packed(spec.model)

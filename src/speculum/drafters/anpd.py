@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options, check_tree_size
 from speculum.drafters.ngram_table import DEFAULT_MAX_ENTRIES, NgramTable
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -72,6 +72,9 @@ class Options:
         }
         bools = ("runtime_update", "multi_level", "tree", "adaptive", "persist")
         check_options("anpd", self, ints, bools, path="pool_path")
+        if self.tree:
+            check_tree_size("anpd", self.max_tree_nodes, "max_tree_nodes")
+        check_tree_size("anpd", self.num_speculative_tokens, "num_speculative_tokens")
         agreement = self.min_agreement
         if isinstance(agreement, bool) or not isinstance(agreement, (int, float)):
             raise InvalidInputError(f"anpd: min_agreement must be a number, got {agreement!r}")
@@ -177,6 +180,8 @@ class AnpdDrafter(Drafter):
             min_count, min_agreement, stops = o.min_count, o.min_agreement, ctx.eos_token_ids
         else:
             min_count, min_agreement, stops = 1, 0.0, frozenset()
+        # each token's share of its context's count: what a controller reads as the drafter's belief
+        agreement: list[float] | None = [] if ctx.wants_scores else None
         if o.tree:
             tokens, parents, reached = self._table.draft_tree(
                 ctx.tokens,
@@ -186,18 +191,19 @@ class AnpdDrafter(Drafter):
                 min_count=min_count,
                 min_agreement=min_agreement,
                 stop_tokens=stops,
+                agreement=agreement,
             )
             if not tokens:
                 return None
             self._last_depth = reached
-            return Draft(tokens, parents)
+            return Draft(tokens, parents, scores=agreement)
         tokens = self._table.draft_chain(
-            ctx.tokens, depth, min_count=min_count, min_agreement=min_agreement, stop_tokens=stops
+            ctx.tokens, depth, min_count=min_count, min_agreement=min_agreement, stop_tokens=stops, agreement=agreement
         )
         if not tokens:
             return None
         self._last_depth = len(tokens)
-        return Draft.chain(tokens)
+        return Draft.chain(tokens, scores=agreement)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         """Add the newly committed tokens to the table; adapt the draft length."""

@@ -17,6 +17,7 @@ nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ import torch
 from speculum.errors import InvalidInputError
 from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import SamplingParams, warp
-from speculum.tree import Draft, TokenTree
+from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 __all__ = [
     "Draft",
@@ -37,6 +38,8 @@ __all__ = [
     "Resources",
     "TargetOutputs",
     "check_options",
+    "check_tree_size",
+    "token_probability",
 ]
 
 
@@ -55,6 +58,17 @@ def check_options(method: str, options, ints: dict[str, int], bools: tuple[str, 
         raise InvalidInputError(f"{method}: {path} must be a path, got {value!r}")
 
 
+def check_tree_size(method: str, nodes: int, how: str) -> None:
+    """Refuse options whose trees could exceed MAX_DRAFT_NODES draft nodes in one forward (``how``
+    says which options make ``nodes``, e.g. "W*(N-1) + G*(N-1)"): a tree's masks and attention grow
+    with its size squared, so one request could exhaust the machine."""
+    if nodes > MAX_DRAFT_NODES:
+        raise InvalidInputError(
+            f"{method}: these settings verify up to {nodes} draft tokens in one forward ({how}); "
+            f"at most {MAX_DRAFT_NODES} are allowed"
+        )
+
+
 @dataclass
 class Resources:
     """What the engine lends a drafter; every field is optional, a drafter takes what it needs."""
@@ -67,7 +81,7 @@ class Resources:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where sampling happens
     # Objects shared by every drafter of one Speculum (and so every request it serves), e.g. a phrase
     # pool that Ouroboros and lookahead keep across requests: ``shared.setdefault(key, factory())``.
-    shared: dict = field(default_factory=dict)
+    shared: MutableMapping = field(default_factory=dict)
 
     @property
     def lm_head(self) -> torch.nn.Module | None:
@@ -99,6 +113,15 @@ class DraftContext:
     # The target's last hidden states of tokens[:-1] from the prefill ([len - 1, hidden]), for
     # drafters with wants_hidden_states (None otherwise).
     prefill_hidden: torch.Tensor | None = None
+    # Whether a controller reads Draft.scores (a drafter that pays something to compute them skips
+    # that otherwise).
+    wants_scores: bool = False
+
+
+def token_probability(logits: torch.Tensor, token: int) -> float:
+    """softmax(logits)[token] without materialising the softmax."""
+    logits = logits.float()
+    return float(torch.exp(logits[token] - torch.logsumexp(logits, dim=-1)))
 
 
 class TargetOutputs:
@@ -184,6 +207,13 @@ class Drafter:
     # Set by drafters that read the target's last hidden state (heads): the engine then returns it
     # from the prefill (DraftContext.prefill_hidden) and from every step (Outcome.target.hidden_states).
     wants_hidden_states: bool = False
+    # Whether the controller may verify only part of a draft. False for a drafter that needs the
+    # target's output at every node it proposed (lookahead's Jacobi window).
+    prunable: bool = True
+
+    def check(self, sampling: SamplingParams) -> None:
+        """Refuse (InvalidInputError) a request this drafter cannot serve exactly; called when the request
+        is made, before anything runs."""
 
     def start(self, ctx: DraftContext) -> None:
         """A new request: the prompt is ``ctx.tokens``."""
@@ -194,7 +224,9 @@ class Drafter:
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         """Learn from the step's result; ``ctx.tokens`` already holds the newly committed tokens.
-        (Not called after the step that ends the request: ``finish`` is.)"""
+        (Not called after the step that ends the request: ``finish`` is.) ``outcome.draft`` is None
+        when nothing was drafted this step, also when ``propose`` was not called (the controller
+        chose a plain step): state kept from an earlier ``propose`` is then stale."""
 
     def finish(self, ctx: DraftContext) -> None:
         """The request is over (``ctx.tokens`` holds every committed token): persistent pools learn the end."""

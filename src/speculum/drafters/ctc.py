@@ -17,12 +17,13 @@ then accepts the longest matching path plus the target's own next token, greedy 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
 from speculum.heads import resolve_draft_head
 
 DEFAULT_TREE_NODES = 16
@@ -79,6 +80,7 @@ class Options:
         check_options("ctc", self, {"top_k": 1, "candidates": 1}, ("ctc_transform",), path="heads")
         if self.tree_nodes is not None:
             check_options("ctc", self, {"tree_nodes": 1})
+            check_tree_size("ctc", self.tree_nodes, "tree_nodes")
 
 
 class CTCDrafter(HeadDrafter):
@@ -108,12 +110,13 @@ class CTCDrafter(HeadDrafter):
         started = time.perf_counter()
         scores, frames = top.values.tolist(), top.indices.tolist()
         vocab = self.module.projection.draft_vocab.tolist()
-        paths = []
-        for _, choice in best_alignments(scores, self.options.candidates):
+        paths, weights = [], []
+        for logprob, choice in best_alignments(scores, self.options.candidates):
             alignment = [frames[t][c] for t, c in enumerate(choice)]
             sequence = ctc_collapse(alignment, blank) if self.options.ctc_transform else alignment
             tokens = [vocab[i] for i in sequence[: ctx.max_depth]]
             paths.append(cut_at_eos(tokens, ctx.eos_token_ids))
-        draft = Draft.from_paths(paths, self.tree_nodes)
+            weights.append(math.exp(logprob))  # the alignment's probability: a controller's estimates
+        draft = Draft.from_paths(paths, self.tree_nodes, weights if ctx.wants_scores else None)
         self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None

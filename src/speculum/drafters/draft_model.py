@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, token_probability
 from speculum.errors import InvalidInputError
 from speculum.policies import DraftStep, check_policy_options, default_draft_length, policy_for
 from speculum.sampling import sample, warp
@@ -91,10 +91,14 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = resources.vocab_size  # the target's: draft distributions are fitted to it
         self.policy = policy_for(options, resources.draft_model)
         self._forwards = 0
+        self._asked = False  # propose ran this round
 
     @property
     def forwards(self) -> int:
         return self._forwards
+
+    def check(self, sampling) -> None:
+        self.policy.check(sampling)
 
     def start(self, ctx: DraftContext) -> None:
         self.state.reset()
@@ -120,6 +124,7 @@ class DraftModelDrafter(Drafter):
         return torch.cat([logits, pad])
 
     def propose(self, ctx: DraftContext) -> Draft | None:
+        self._asked = True
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
@@ -129,6 +134,7 @@ class DraftModelDrafter(Drafter):
 
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        scores: list[float] = []
         while True:
             if ctx.sampling.greedy:
                 dist = None
@@ -140,6 +146,10 @@ class DraftModelDrafter(Drafter):
                 break
             if dist is not None:
                 probs.append(dist)
+            if ctx.wants_scores:
+                # greedy: the draft's probability of its token; sampled: of its most likely token (a
+                # sampled token's own value must not decide whether it is verified)
+                scores.append(token_probability(logits, token) if dist is None else float(dist.max()))
             tokens.append(token)
             if len(tokens) >= budget or token in ctx.eos_token_ids:
                 break
@@ -148,7 +158,9 @@ class DraftModelDrafter(Drafter):
             logits, hidden = self._forward([token], ctx)
         if not tokens:
             return None
-        return Draft.chain(tokens, torch.stack(probs) if probs else None)
+        return Draft.chain(tokens, torch.stack(probs) if probs else None, scores or None)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
-        self.policy.update(len(outcome.accepted), outcome.drafted)
+        if self._asked:  # (a plain step the controller chose says nothing about the draft length)
+            self.policy.update(len(outcome.accepted), outcome.drafted)
+        self._asked = False

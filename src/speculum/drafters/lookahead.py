@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options, check_tree_size
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
 
@@ -57,6 +57,9 @@ class Options:
     def __post_init__(self) -> None:
         ints = {"window_size": 1, "ngram_size": 2, "guess_set_size": 0, "max_pool_keys": 1}
         check_options("lookahead", self, ints, ("pool_from_prompt", "persist"), path="pool_path")
+        levels = self.ngram_size - 1
+        nodes = (self.window_size + self.guess_set_size) * levels
+        check_tree_size("lookahead", nodes, f"window W*(N-1) + guesses G*(N-1) = {nodes}")
 
 
 class JacobiWindow:
@@ -130,6 +133,7 @@ class LookaheadDrafter(Drafter):
 
     name: ClassVar[str] = "lookahead"
     Options: ClassVar[type] = Options
+    prunable = False  # the window moves by the target's output at every one of its nodes
 
     def __init__(self, options: Options | None = None, resources: Resources | None = None, *, pool=None):
         self.options = options = Options() if options is None else options

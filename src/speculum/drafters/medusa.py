@@ -13,12 +13,13 @@ which is not lossless). ``ctc_transform=True`` merges adjacent repeated tokens o
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options
+from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
 from speculum.drafters.ctc import ctc_collapse, cut_at_eos
 from speculum.errors import InvalidInputError
 from speculum.heads import resolve_draft_head
@@ -39,6 +40,7 @@ class Options:
         check_options("medusa", self, {"top_k": 1}, ("ctc_transform",), path="heads")
         if self.tree_nodes is not None:
             check_options("medusa", self, {"tree_nodes": 1})
+            check_tree_size("medusa", self.tree_nodes, "tree_nodes")
         if self.tree_choices is not None:
             ok = isinstance(self.tree_choices, (list, tuple)) and all(
                 isinstance(c, (list, tuple)) and c and all(isinstance(i, int) and i >= 0 for i in c)
@@ -46,6 +48,7 @@ class Options:
             )
             if not ok or not self.tree_choices:
                 raise InvalidInputError("medusa: tree_choices must be a list of non-empty lists of indices >= 0")
+            check_tree_size("medusa", len(self.tree_choices), "tree_choices")
 
 
 class MedusaDrafter(HeadDrafter):
@@ -79,11 +82,17 @@ class MedusaDrafter(HeadDrafter):
         if hidden is None:
             return None
         logits = self.heads(hidden[None])[0]  # [heads, draft vocab]
-        guesses = self.heads.projection.to_vocab(logits.topk(self.top_k, dim=-1).indices).tolist()
+        top = logits.topk(self.top_k, dim=-1)
+        guesses = self.heads.projection.to_vocab(top.indices).tolist()
         started = time.perf_counter()
         paths = [[guesses[d][c] for d, c in enumerate(choice)] for choice in self.choices]
+        weights = None
+        if ctx.wants_scores:  # each path's probability under the heads, for a controller's estimates
+            probs = (top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp().tolist()
+            weights = [math.prod(probs[d][c] for d, c in enumerate(choice)) for choice in self.choices]
         if self.options.ctc_transform:
             paths = [ctc_collapse(path) for path in paths]
-        draft = Draft.from_paths([cut_at_eos(path[: ctx.max_depth], ctx.eos_token_ids) for path in paths])
+        paths = [cut_at_eos(path[: ctx.max_depth], ctx.eos_token_ids) for path in paths]
+        draft = Draft.from_paths(paths, weights=weights)
         self.time_tree += time.perf_counter() - started
         return draft

@@ -192,12 +192,14 @@ class NgramTable:
         min_count: int = 1,
         min_agreement: float = 0.0,
         stop_tokens: Collection[int] = _NO_STOP,
+        agreement: list[float] | None = None,
     ) -> list[int]:
         """Up to ``k`` tokens continuing ``history`` by autoregressive multi-level queries.
 
         Stops early when no level matches, when the best continuation was seen fewer than
         ``min_count`` times or holds less than ``min_agreement`` of its context's count
-        (weak evidence), or right after a token in ``stop_tokens`` (e.g. EOS).
+        (weak evidence), or right after a token in ``stop_tokens`` (e.g. EOS). ``agreement``: a
+        list that receives each drafted token's share of its context's count.
         """
         cap = self.max_n - 1
         window = list(history[-cap:])
@@ -212,6 +214,8 @@ class NgramTable:
             if count < min_count or count < min_agreement * total:
                 break
             out.append(best)
+            if agreement is not None:
+                agreement.append(count / total)
             if best in stop_tokens:
                 break
             if len(window) >= cap:
@@ -229,6 +233,7 @@ class NgramTable:
         min_count: int = 1,
         min_agreement: float = 0.0,
         stop_tokens: Collection[int] = _NO_STOP,
+        agreement: list[float] | None = None,
     ) -> tuple[list[int], list[int], int]:
         """A token tree below ``history[-1]``: ``(tokens, parents, depth)``.
 
@@ -238,7 +243,8 @@ class NgramTable:
         ``count / total`` along it; ties by insertion order, so deterministic) until
         ``max_nodes`` nodes are placed; no node is deeper than ``max_depth``. Parents precede
         their children; ``parents[i] == -1`` marks a child of the root. ``depth`` is the
-        deepest level reached.
+        deepest level reached. ``agreement``: a list that receives each node's share of its
+        context's count.
         """
         tokens: list[int] = []
         parents: list[int] = []
@@ -264,15 +270,17 @@ class NgramTable:
                 count = v >> _SHIFT
                 if count < min_count or count < min_agreement * total:
                     break  # items are best first: the rest are weaker still
-                heapq.heappush(heap, (-score * count / total, counter, parent, tok, window, depth + 1))
+                heapq.heappush(heap, (-score * count / total, counter, parent, tok, window, depth + 1, count / total))
                 counter += 1
 
         expand(tuple(history[-cap:]), -1, 0, 1.0)
         while heap and len(tokens) < max_nodes:
-            neg_score, _, parent, tok, window, depth = heapq.heappop(heap)
+            neg_score, _, parent, tok, window, depth, share = heapq.heappop(heap)
             index = len(tokens)
             tokens.append(tok)
             parents.append(parent)
+            if agreement is not None:
+                agreement.append(share)
             if depth > deepest:
                 deepest = depth
             if depth < max_depth and tok not in stop_tokens:

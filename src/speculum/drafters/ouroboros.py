@@ -17,7 +17,8 @@ Four components, each can be switched off for the paper's ablation:
 4. ``reuse_history`` — one pool serves every request of a ``Speculum`` (shared through
    ``Resources.shared``, so also across configurations with the same phrase length and capacity);
    ``pool_path`` loads it at start and saves it (atomically) after every request, so a warm start
-   survives restarts. Off: each request starts with an empty pool.
+   survives restarts (a failed save is logged; the request keeps its output). Off: each request
+   starts with an empty pool.
 
 Extensions, off by default: ``context_phrases`` also puts the prompt's and the output's own
 n-grams in the pool (what prompt lookup copies from), and ``window_size=0`` with
@@ -39,13 +40,23 @@ advise for temperature > 0 (their code is greedy only).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
+from speculum.drafters.base import (
+    Draft,
+    DraftContext,
+    Drafter,
+    Outcome,
+    Resources,
+    check_options,
+    check_tree_size,
+    token_probability,
+)
 from speculum.drafters.draft_model import DraftModelState
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
@@ -55,6 +66,8 @@ from speculum.runner import LazyLogits
 from speculum.tree import TokenTree
 
 __all__ = ["Options", "OuroborosDrafter"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +111,14 @@ class Options:
         if self.pool_path is not None and not self.reuse_history:
             raise InvalidInputError("ouroboros: pool_path needs reuse_history=True")
         check_policy_options(self)
+        gamma, phrase = self.num_speculative_tokens, self.phrase_length
+        lengthened = gamma + self.num_phrase_candidates * phrase
+        check_tree_size("ouroboros", lengthened, f"the target's tree: γ + K*(N-1) = {lengthened}")
+        # the draft's own forwards: up to a round's accepted tokens as a chain, the Jacobi window and
+        # the pool guesses below them
+        guesses = self.guess_set_size if self.draft_guesses is None else self.draft_guesses
+        drafting = lengthened + 1 + (self.window_size + guesses) * phrase
+        check_tree_size("ouroboros", drafting, f"the draft's tree: γ + K*(N-1) + 1 + W*(N-1) + G*(N-1) = {drafting}")
 
     @property
     def phrase_length(self) -> int:
@@ -152,6 +173,9 @@ class OuroborosDrafter(Drafter):
 
     # ------------------------------------------------------------------ protocol
 
+    def check(self, sampling) -> None:
+        self.policy.check(sampling)
+
     def start(self, ctx: DraftContext) -> None:
         self.state.reset()
         self.window.reset(ctx.tokens)
@@ -180,6 +204,7 @@ class OuroborosDrafter(Drafter):
         keep = self.state.catch_up(ctx.tokens)
         forced = ctx.tokens[keep:]  # not in the draft's cache yet; the last one is where drafting starts
         chain: list[int] = []
+        scores: list[float] = []  # the draft's probability of each chain token (for a controller)
         while len(chain) < budget:
             stop = False
             for token, logits, hidden in self._draft_step(forced):
@@ -190,6 +215,8 @@ class OuroborosDrafter(Drafter):
                     stop = True
                     break
                 chain.append(token)
+                if ctx.wants_scores:
+                    scores.append(token_probability(logits, token))
                 if token in ctx.eos_token_ids or len(chain) >= budget:
                     stop = True
                     break
@@ -201,7 +228,7 @@ class OuroborosDrafter(Drafter):
             forced = [chain[-1]]
         if not chain:
             return None
-        return self._lengthened(chain, ctx)
+        return self._lengthened(chain, ctx, scores or None)
 
     def _draft_step(self, forced: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """One draft forward: ``forced`` (tokens not yet in the draft's cache) as a chain, with the
@@ -254,8 +281,9 @@ class OuroborosDrafter(Drafter):
         """The draft's greedy token after each of ``nodes``."""
         return self._rows(logits, nodes).argmax(dim=-1).tolist()
 
-    def _lengthened(self, chain: list[int], ctx: DraftContext) -> Draft:
-        """The draft chain with up to K pool phrases below its last token (component 2)."""
+    def _lengthened(self, chain: list[int], ctx: DraftContext, scores: list[float] | None = None) -> Draft:
+        """The draft chain with up to K pool phrases below its last token (component 2); ``scores``:
+        the chain's (the phrases have none: the controller learns how they fare by depth)."""
         self._chain = chain
         self._phrases = []
         tokens, parents = list(chain), list(range(-1, len(chain) - 1))
@@ -273,16 +301,20 @@ class OuroborosDrafter(Drafter):
                     tokens.append(token)
                 if ids:
                     self._phrases.append((phrase, ids))
-        return Draft(tokens, parents)
+        if scores is not None:
+            scores = scores + [None] * (len(tokens) - len(chain))
+        return Draft(tokens, parents, scores=scores)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         if self.options.context_phrases:
             self._add_context_phrases(ctx.tokens)  # the tokens just committed
-        if self._chain:
-            self.policy.update(min(len(outcome.accepted), len(self._chain)), len(self._chain))
-        if not self.options.verification_phrases or outcome.target is None or not self._chain:
+        # this round's draft, consumed here (a plain step the controller chose has none)
+        chain, phrases, self._chain, self._phrases = self._chain, self._phrases, [], []
+        if chain:
+            self.policy.update(min(len(outcome.accepted), len(chain)), len(chain))
+        if not self.options.verification_phrases or outcome.target is None or not chain:
             return
-        chain, length = self._chain, self.options.phrase_length
+        length = self.options.phrase_length
         after = outcome.target.argmax_of(list(range(len(chain))))  # the target's token after each draft token
         rejected_at = len(outcome.accepted)
         if rejected_at < len(chain):
@@ -303,7 +335,7 @@ class OuroborosDrafter(Drafter):
         key, first = chain[-1], after[-1]
         if first is None:
             return
-        for phrase, ids in self._phrases:
+        for phrase, ids in phrases:
             predicted = outcome.target.argmax_of(ids)
             corrected = [first]
             for token, nxt in zip(phrase, predicted, strict=False):
@@ -314,9 +346,16 @@ class OuroborosDrafter(Drafter):
             if tuple(corrected) != tuple(phrase):
                 self.pool.replace(key, phrase, corrected)
 
+    # Save the pool (pool_path) when a request ends; a server turns this off and saves on its own schedule.
+    save_on_finish: bool = True
+
     def finish(self, ctx: DraftContext) -> None:
-        if self.options.pool_path is not None:
+        if self.options.pool_path is None or not self.save_on_finish:
+            return
+        try:
             self.save()
+        except PoolFileError as exc:  # the request's output is made: keep it, try again after the next one
+            log.warning("ouroboros: the phrase pool was not saved: %s", exc)
 
     def save(self, path: str | os.PathLike[str] | None = None) -> None:
         """Write the phrase pool (default: ``pool_path``) atomically."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speculum.drafters.base import Draft, DraftContext, Drafter, Resources
+from speculum.drafters.base import Draft, DraftContext, Drafter, Resources, check_tree_size
 from speculum.errors import InvalidInputError
 
 
@@ -25,6 +25,7 @@ class Options:
             raise InvalidInputError("num_speculative_tokens must be >= 1")
         if self.max_matching_ngram_size < 1:
             raise InvalidInputError("max_matching_ngram_size must be >= 1")
+        check_tree_size("prompt_lookup", self.num_speculative_tokens, "num_speculative_tokens")
 
 
 class PromptLookupDrafter(Drafter):

@@ -3,21 +3,24 @@ draft compatibility. Each job has its own module; this package re-exports the pu
 
 from speculum.models.compat import check_draft_compatible, vocab_fingerprint
 from speculum.models.convert import cache_dir, ensure_converted
-from speculum.models.dtypes import resolve_dtype
-from speculum.models.loading import eos_token_ids, list_models, load_model
+from speculum.models.dtypes import DtypeChoice, choose_dtype, resolve_dtype
+from speculum.models.loading import eos_token_ids, list_models, load_model, load_with_dtype_choice
 from speculum.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, PackagedModel
 from speculum.models.self_draft import make_self_draft, parse_draft_spec
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DtypeChoice",
     "PACKAGED_MODELS",
     "PackagedModel",
     "cache_dir",
     "check_draft_compatible",
+    "choose_dtype",
     "ensure_converted",
     "eos_token_ids",
     "list_models",
     "load_model",
+    "load_with_dtype_choice",
     "make_self_draft",
     "parse_draft_spec",
     "resolve_dtype",

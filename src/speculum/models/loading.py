@@ -13,7 +13,7 @@ import torch
 
 from speculum.errors import InvalidInputError, ModelLoadError, SpeculumError
 from speculum.models.convert import _converted_dir, _ensure_packaged, _is_converted, ensure_converted
-from speculum.models.dtypes import _check_device, resolve_dtype
+from speculum.models.dtypes import DtypeChoice, _check_device, choose_dtype, resolve_dtype
 from speculum.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, _is_installed
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
@@ -138,9 +138,35 @@ def load_model(
     GGUF files are dequantised once and cached, keyed by their SHA-256. ``device``: ``cpu``, ``cuda``,
     ``cuda:N`` or ``auto`` (accelerate's ``device_map="auto"``, for targets bigger than one device).
     ``device_map`` (and ``offload_folder`` for ``"disk"`` entries) go to accelerate as they are: a
-    target split over several GPUs, or offloaded to CPU or disk.
+    target split over several GPUs, or offloaded to CPU or disk. ``dtype="auto"``: see
+    :func:`load_with_dtype_choice`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tokenizer, _ = load_with_dtype_choice(
+        name_or_path,
+        dtype=dtype,
+        device=device,
+        gguf_file=gguf_file,
+        device_map=device_map,
+        offload_folder=offload_folder,
+    )
+    return model, tokenizer
+
+
+def load_with_dtype_choice(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    gguf_file: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    prepack: bool = True,
+) -> tuple[Any, Any, DtypeChoice]:
+    """:func:`load_model`, also returning the dtype chosen and why. On a CPU, ``dtype="auto"`` times
+    float32 (prepacked when ``prepack``, as ``speculum.load`` does) against bfloat16 on the model's
+    shapes from its config before loading it, once per machine and model (cached; see
+    :func:`speculum.models.dtypes.choose_dtype`); the model is then loaded once, in the faster dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = _check_device(device)
     kwargs: dict[str, Any] = {}
@@ -153,9 +179,16 @@ def load_model(
         kwargs["device_map"] = "auto"
     elif device != "cpu":
         kwargs["device_map"] = device
-    torch_dtype = resolve_dtype(dtype, device)
+    resolve_dtype(dtype, device)  # a bad dtype is refused before anything is read or converted
     source, extra = _resolve_source(name_or_path, gguf_file)
-    kwargs.update(dtype=torch_dtype, **extra)
+    choice = choose_dtype(
+        dtype,
+        device,
+        lambda: _from_pretrained(AutoConfig, source, "config", **extra),  # read only if measuring
+        prepack=prepack,
+        measure=device_map is None,
+    )
+    kwargs.update(dtype=choice.dtype, **extra)
     try:
         model = _from_pretrained(AutoModelForCausalLM, source, "model", **kwargs)
         tokenizer = _from_pretrained(AutoTokenizer, source, "tokenizer", **extra)
@@ -165,7 +198,7 @@ def load_model(
         raise ModelLoadError(f"cannot load model {name_or_path!r} from {source}: {type(e).__name__}: {e}") from e
     model.eval()
     model.requires_grad_(False)
-    return model, _fix_tokenizer(tokenizer)
+    return model, _fix_tokenizer(tokenizer), choice
 
 
 def _check_device_map(device_map: str | dict) -> str | dict:

@@ -3,6 +3,6 @@
 Needs the ``server`` extra: ``pip install "speculum[server]"`` (FastAPI, uvicorn, prometheus-client).
 """
 
-from speculum.server.app import ServerSettings, create_app, serve
+from speculum.server.app import ServerSettings, create_app, serve, server_config
 
-__all__ = ["ServerSettings", "create_app", "serve"]
+__all__ = ["ServerSettings", "create_app", "serve", "server_config"]

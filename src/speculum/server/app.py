@@ -33,6 +33,8 @@ from speculum.errors import InvalidInputError, UnknownMethodError
 from speculum.methods import METHODS, SpeculativeConfig
 from speculum.server.metrics import Metrics
 from speculum.server.protocol import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
     SERVER_ONLY_PARAMS,
     ApiError,
     ChatCompletionRequest,
@@ -51,6 +53,10 @@ log = logging.getLogger("speculum.server")
 # tokens or a window of a million columns would only exhaust the server.
 MAX_REQUEST_PARAM = 256
 
+# Method parameters that keep a drafter's pool from one request to the next, where every later
+# request (of any client) drafts from it.
+KEEPS_HISTORY = ("persist", "reuse_history")
+
 
 @dataclass
 class ServerSettings:
@@ -60,13 +66,44 @@ class ServerSettings:
     request_timeout: float = 600.0  # seconds from arrival (queueing included) to the last token
     default_max_tokens: int = 256  # when a request names none
     max_tokens_limit: int = 4096  # the most a request may ask for
+    max_body_bytes: int = 1 << 20  # a larger request body gets 413
+    # Keep drafters' pools across requests (persist, reuse_history, pool_path), shared by every
+    # client; off: each request drafts only from its own prompt and output.
+    share_pools: bool = False
+    pool_save_interval: float = 60.0  # seconds between saves of pools with a pool_path (and at shutdown)
+    max_configs: int = 16  # method configurations whose drafters are kept (the server's own always)
+
+
+def server_config(config: SpeculativeConfig, share_pools: bool) -> SpeculativeConfig:
+    """``config`` as the server runs it: unchanged with ``share_pools``; otherwise with every pool kept
+    for one request only. A configuration that asks to keep one (persist, reuse_history, pool_path)
+    needs ``share_pools``: InvalidInputError otherwise."""
+    if share_pools:
+        return config
+    asked = [name for name in (*KEEPS_HISTORY, "pool_path") if config.params.get(name) not in (None, False)]
+    if asked:
+        raise InvalidInputError(
+            f"{asked[0]} keeps a pool of every request's text for later requests, shared by all clients; "
+            "this server keeps pools per request (speculum serve --share-pools shares them)"
+        )
+    options = config.options()
+    per_request = {name: False for name in KEEPS_HISTORY if getattr(options, name, False)}
+    return SpeculativeConfig.coerce(config, **per_request) if per_request else config
 
 
 def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     model_name = settings.model_name or spec.name or "speculum"
+    default = server_config(spec.default_config, settings.share_pools)  # what requests naming no method run
     metrics = Metrics()
-    worker = Worker(spec, metrics, settings.max_queue)
+    worker = Worker(
+        spec,
+        metrics,
+        settings.max_queue,
+        max_configs=settings.max_configs,
+        default_config=default,
+        save_interval=settings.pool_save_interval,
+    )
     page = (resources.files("speculum.server") / "static" / "index.html").read_text(encoding="utf-8")
     started_at = int(time.time())
 
@@ -75,13 +112,14 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
         worker.start()
         yield
         await run_in_threadpool(worker.stop)
-        for path in save_pools(spec):
+        for path in save_pools(spec, metrics):
             log.info("saved pool %s", path)
 
     app = FastAPI(title="speculum", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
-    if settings.api_key:
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, metrics=metrics)
+    if settings.api_key:  # added last: runs first, so a client without the key gets 401 before any reading
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=metrics)
 
     # ------------------------------------------------------------------ errors: OpenAI's body, never a traceback
@@ -125,7 +163,6 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        default = spec.default_config
         params = {k: v for k, v in default.all_params().items() if k not in SERVER_ONLY_PARAMS}
         card = {
             "id": model_name,
@@ -144,7 +181,9 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):  # a list of one string
+            prompt = prompt[0]
         prompt_ids = await _encode(prompt, "prompt")
         return await _generate(body, body.max_tokens, prompt_ids, request, Formatter(chat=False, model=model_name))
 
@@ -186,7 +225,7 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
             raise ApiError(400, f"max_tokens may be at most {settings.max_tokens_limit}", param="max_tokens")
         job = Job(
             prompt_ids=prompt_ids,
-            config=_request_config(spec, body.speculative_config),
+            config=_request_config(default, body.speculative_config, settings.share_pools),
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -315,10 +354,9 @@ def _progress(event: Tokens) -> dict:
     }
 
 
-def _request_config(spec: Speculum, raw: dict[str, Any] | None) -> SpeculativeConfig:
+def _request_config(default: SpeculativeConfig, raw: dict[str, Any] | None, share_pools: bool) -> SpeculativeConfig:
     """The method a request asked for: the server's own configuration (and its pools) when it names
     no parameter, else the method's defaults with the request's parameters on top."""
-    default = spec.default_config
     params = dict(raw or {})
     method = params.pop("method", default.method)
     if method == default.method and not params:
@@ -335,18 +373,24 @@ def _request_config(spec: Speculum, raw: dict[str, Any] | None) -> SpeculativeCo
         if isinstance(value, (dict, list)):
             raise ApiError(400, f"{name} must be a number, a boolean or a string", param=f"speculative_config.{name}")
     try:
-        config = SpeculativeConfig.coerce(method, **params)
-        defaults = {f.name: f.default for f in dataclasses.fields(config.options())}
+        defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig(method).options())}
     except UnknownMethodError as exc:
         raise ApiError(400, str(exc), param="speculative_config.method", code="unknown_method") from None
-    except InvalidInputError as exc:
-        raise ApiError(400, str(exc), param="speculative_config") from None
+    # before the method's own checks, so that the error names the parameter that is too large
     for name, value in params.items():
         default_value = defaults.get(name)
         limit = max(MAX_REQUEST_PARAM, default_value if isinstance(default_value, int) else 0)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
             raise ApiError(400, f"{name} may be at most {limit} here", param=f"speculative_config.{name}")
-    return config
+    try:
+        config = SpeculativeConfig.coerce(method, **params)
+    except InvalidInputError as exc:
+        raise ApiError(400, str(exc), param="speculative_config") from None
+    try:
+        return server_config(config, share_pools)
+    except InvalidInputError as exc:
+        name = next(n for n in (*KEEPS_HISTORY, "pool_path") if n in params)
+        raise ApiError(400, str(exc), param=f"speculative_config.{name}") from None
 
 
 def _validation_api_error(exc: RequestValidationError) -> ApiError:
@@ -375,7 +419,7 @@ def _validation_api_error(exc: RequestValidationError) -> ApiError:
 # fields with several accepted shapes: pydantic reports one error per shape, we say what is accepted
 UNION_FIELDS = {
     "prompt": "a string, a list of token ids or a list of one string",
-    "stop": "a non-empty string or a list of at most 4 non-empty strings",
+    "stop": f"a string of 1 to {MAX_STOP_LENGTH} characters or a list of at most {MAX_STOP_STRINGS} such strings",
     "content": "a string or a list of text parts",
 }
 
@@ -385,6 +429,55 @@ def _is_type_tag(part) -> bool:
     return isinstance(part, str) and (
         "[" in part or part.startswith("constrained-") or part in {"str", "int", "float", "bool", "list", "dict"}
     )
+
+
+class BodyLimitMiddleware:
+    """A request body over ``limit`` bytes gets 413 before anything parses it: at once when its
+    Content-Length says so, else as soon as the bytes read pass the limit. A body within it is
+    handed on whole."""
+
+    def __init__(self, app, limit: int, metrics: Metrics):
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():  # the body once, then what the client does next (a disconnect)
+            nonlocal pending
+            if pending is None:
+                return await receive()
+            whole, pending = pending, None
+            return whole
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        self.metrics.rejected.labels("too_large").inc()
+        message = f"the request body is larger than this server's limit of {self.limit} bytes (--max-body-bytes)"
+        error = ApiError(413, message, code="request_too_large")
+        await JSONResponse(error.body(), 413)(scope, receive, send)
 
 
 class ApiKeyMiddleware:

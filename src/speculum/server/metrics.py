@@ -29,7 +29,7 @@ class Metrics:
         )
         self.rejected = Counter(
             "speculum_rejected_requests",
-            "Requests refused before generating: invalid, queue_full, unauthorized, shutting_down.",
+            "Requests refused before generating: invalid, too_large, queue_full, unauthorized, shutting_down.",
             ["reason"],
             registry=r,
         )
@@ -86,6 +86,11 @@ class Metrics:
         )
         self.queue_length = Gauge("speculum_queue_length", "Requests waiting for the worker.", registry=r)
         self.running = Gauge("speculum_requests_running", "Requests generating now (0 or 1).", registry=r)
+        self.pool_save_failures = Counter(
+            "speculum_pool_save_failures",
+            "Pool files (pool_path) that could not be written; the server goes on and tries again later.",
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._totals: dict[str, list[int]] = {}  # method -> [committed tokens, forwards, drafted, accepted]
 

@@ -62,7 +62,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-StopString = Annotated[str, Field(min_length=1)]
+# Stop strings are searched for after every step on the worker thread all requests share, and text
+# that may begin one is held back from the stream: both bounded (OpenAI allows 4 strings too).
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 256  # characters
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
 class StreamOptions(Strict):
@@ -79,7 +83,7 @@ class SamplingFields(Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 or 0 = no top-k filter
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None  # up to 4, as OpenAI
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1  # one choice per request

@@ -43,27 +43,37 @@ class Output:
 
     Text is handed out (``take``) only where no stop string can still begin: an end of the text
     that a stop string starts with waits for the next tokens, so a client never receives text
-    that a stop string later takes back.
+    that a stop string later takes back. Each step costs what its new text costs: every stop string
+    is followed by a matcher that reads each character once, never the whole output again.
     """
 
     def __init__(self, stop: list[str]):
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self._matchers = [StopMatcher(s) for s in stop]
         self.pieces: list[Piece] = []
-        self.text = ""
+        self.length = 0  # characters of output text
         self.shown = 0  # pieces handed out so far
         self.shown_chars = 0
         self.stopped = False  # a stop string was found
         self.num_tokens = 0  # output tokens (up to the one that completed the stop string)
 
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)
+
     def add(self, pieces: list[Piece]) -> None:
         if self.stopped:
             return
-        search_from = max(0, len(self.text) - self.hold)  # earlier starts were searched already
+        new = "".join(p.text for p in pieces)
+        begin = self.length
         self.pieces.extend(pieces)
-        self.text += "".join(p.text for p in pieces)
+        self.length += len(new)
         self.num_tokens += sum(p.token for p in pieces)
-        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
+        hits = []  # (start, stop string) of each stop string's first occurrence
+        for matcher in self._matchers:
+            end = matcher.feed(new)
+            if end >= 0:
+                hits.append((begin + end - len(matcher.stop), matcher.stop))
         if hits:
             self._cut(*min(hits))
 
@@ -76,24 +86,53 @@ class Output:
             kept.append(Piece(piece.text[: max(0, at - pos)], piece.source, piece.token))
             tokens += piece.token
             pos += len(piece.text)
-        self.pieces, self.text, self.num_tokens, self.stopped = kept, self.text[:at], tokens, True
+        self.pieces, self.length, self.num_tokens, self.stopped = kept, at, tokens, True
 
     def _pending_stop(self) -> int:
         """Length of the longest end of the text that a stop string begins with (it may still complete)."""
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stop):
-                return k
-        return 0
+        return max((m.matched for m in self._matchers), default=0)
 
     def take(self, final: bool = False) -> list[Piece]:
         """The pieces that may be shown now (all of them once the output is complete)."""
-        limit = len(self.text) if final or self.stopped else len(self.text) - self._pending_stop()
+        limit = self.length if final or self.stopped else self.length - self._pending_stop()
         out = []
         while self.shown < len(self.pieces) and self.shown_chars + len(self.pieces[self.shown].text) <= limit:
             out.append(self.pieces[self.shown])
             self.shown_chars += len(self.pieces[self.shown].text)
             self.shown += 1
         return out
+
+
+class StopMatcher:
+    """Finds one stop string in text fed piece by piece (Knuth-Morris-Pratt): ``matched`` is the
+    longest beginning of the stop string that the text so far ends with."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        # fallback[i]: the longest proper beginning of stop[: i + 1] that also ends it
+        self.fallback = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fallback[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fallback[i] = k
+        self.matched = 0
+
+    def feed(self, text: str) -> int:
+        """Read ``text``; the index in it just past the first complete stop string, or -1."""
+        stop, fallback, k = self.stop, self.fallback, self.matched
+        for i, char in enumerate(text):
+            while k and char != stop[k]:
+                k = fallback[k - 1]
+            if char == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.matched = 0  # the output ends here
+                    return i + 1
+        self.matched = k
+        return -1
 
 
 # ---------------------------------------------------------------------------------------- events
@@ -170,7 +209,16 @@ class Job:
 class Worker:
     """Runs the requests of one ``Speculum`` one at a time in its own thread (see the module docstring)."""
 
-    def __init__(self, spec: Speculum, metrics: Metrics, max_queue: int, *, max_configs: int = 16):
+    def __init__(
+        self,
+        spec: Speculum,
+        metrics: Metrics,
+        max_queue: int,
+        *,
+        max_configs: int = 16,
+        default_config: SpeculativeConfig | None = None,
+        save_interval: float = 60.0,
+    ):
         self.spec = spec
         self.metrics = metrics
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -180,8 +228,14 @@ class Worker:
         self._mean_seconds = 1.0  # moving average of request durations, for Retry-After
         # Every distinct method configuration builds (and keeps) a drafter; clients may send many,
         # so only the most recent ``max_configs`` are kept, the server's own one always.
-        self._configs: OrderedDict[tuple, None] = OrderedDict()
+        self._configs: OrderedDict[tuple, SpeculativeConfig] = OrderedDict()
         self._max_configs = max_configs
+        self._pinned = (default_config or spec.default_config).key()
+        # Pools with a pool_path are saved between requests, at most every save_interval seconds
+        # (and at shutdown): never on a request's way, so a failed write fails no request.
+        self._save_interval = save_interval
+        self._last_save = time.monotonic()
+        self._unsaved = False  # a generation has run since the last save
         metrics.queue_length.set_function(self._queue.qsize)
 
     def start(self) -> None:
@@ -224,6 +278,7 @@ class Worker:
             try:
                 job = self._queue.get(timeout=0.2)
             except queue.Empty:
+                self._save_if_due()
                 continue
             self._running = job
             started = time.monotonic()
@@ -236,6 +291,13 @@ class Worker:
             finally:
                 self._running = None
                 self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - started)
+            self._save_if_due()
+
+    def _save_if_due(self) -> None:
+        if self._unsaved and time.monotonic() - self._last_save >= self._save_interval:
+            self._unsaved = False  # a failed save is tried again after the next generation (or at shutdown)
+            self._last_save = time.monotonic()
+            save_pools(self.spec, self.metrics)
 
     def _run(self, job: Job) -> None:
         job.started = True
@@ -250,6 +312,9 @@ class Worker:
         queue_time = time.monotonic() - job.arrival
         self._keep_config(job.config)
         try:
+            drafter = self.spec.drafter_for(job.config)
+            if hasattr(drafter, "save_on_finish"):
+                drafter.save_on_finish = False  # Ouroboros: the worker saves its pool (see _save_if_due)
             stream = self.spec.generate(
                 job.prompt_ids,
                 job.config,
@@ -264,6 +329,7 @@ class Worker:
             job.emit(Failed(ApiError(400, str(exc), param="speculative_config")))  # counted by the handler
             return
         job.emit(Started())
+        self._unsaved = True
         self.metrics.running.inc()
         try:
             self._steps(job, stream, method, queue_time)
@@ -328,20 +394,19 @@ class Worker:
         """Remember ``config`` as recently used; forget the drafter of the least recently used one beyond
         ``max_configs`` (never the server's own configuration, whose pools are saved at shutdown)."""
         key = config.key()
-        self._configs[key] = None
+        self._configs[key] = config
         self._configs.move_to_end(key)
-        pinned = self.spec.default_config.key()
         while len(self._configs) > self._max_configs:
-            old = next(k for k in self._configs if k != pinned)
-            del self._configs[old]
-            self.spec._drafters.pop(old, None)
+            old = next(k for k in self._configs if k != self._pinned)
+            self.spec.forget(self._configs.pop(old))  # its drafter, and shared pools no other drafter uses
 
 
-def save_pools(spec: Speculum) -> list[str]:
+def save_pools(spec: Speculum, metrics: Metrics | None = None) -> list[str]:
     """Save the pools of the drafters that have a ``pool_path`` (ANPD, lookahead, Ouroboros), atomically.
 
-    Called at shutdown, after the worker thread has ended, so no request is changing them.
-    Returns the paths written; a pool that cannot be written is logged, the others are still saved.
+    Called on the worker thread between requests, or at shutdown after it has ended: never while a
+    request is changing them. Returns the paths written; a pool that cannot be written is logged
+    (and counted in ``metrics``), the others are still saved.
     """
     saved = []
     for drafter in list(spec._drafters.values()):
@@ -351,6 +416,9 @@ def save_pools(spec: Speculum) -> list[str]:
         try:
             drafter.save()
             saved.append(str(path))
-        except SpeculumError as exc:
-            log.error("could not save the pool of %s: %s", drafter.name, exc)
+        except Exception as exc:  # a full disk or a bug in saving: the server goes on serving
+            if metrics is not None:
+                metrics.pool_save_failures.inc()
+            expected = isinstance(exc, SpeculumError)
+            log.error("could not save the pool of %s: %s", drafter.name, exc, exc_info=not expected)
     return saved

@@ -59,7 +59,8 @@ class DataSettings:
 def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress: bool = True) -> dict:
     """``hidden`` [N, H] float16 (the draft's state where the candidate is the input), ``hidden_before``
     [N, H] (the state that produced the candidate, for early heads), ``label`` [N] float32,
-    ``confidence`` [N] (the draft's probability of its candidate, under the warping) and ``text`` [N]
+    ``confidence`` [N] (the draft's probability of its candidate, under the warping), ``candidate`` [N]
+    (the drafted token) and ``text`` [N]
     (which text each row came from)."""
     from tqdm.auto import tqdm
 
@@ -71,15 +72,18 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
     gen = torch.Generator().manual_seed(settings.seed)
     target, draft = spec.model, spec.draft_model
     width = spec.vocab_size
-    hidden_rows, before_rows, labels, confidences, owners = [], [], [], [], []
+    hidden_rows, before_rows, labels, confidences, candidates, owners = [], [], [], [], [], []
     for index, text in enumerate(tqdm(texts, desc="acceptance data", unit="text", disable=not progress)):
         ids, start = encode(spec.tokenizer, text, settings.max_tokens)
         if len(ids) - max(start, 1) < 1:
             continue
         inputs = torch.tensor([ids], device=target.device)
         target_logits = target(input_ids=inputs).logits[0, :, :width].float().cpu()
-        draft_logits = draft(input_ids=inputs.to(draft.device)).logits[0].float().cpu()
-        draft_logits = _fit(draft_logits, width)
+        # the draft over the text itself: its logits give each candidate, and the hidden state that
+        # produced them is what an early head reads (the mixed sequence below is a different context)
+        draft_out = draft(input_ids=inputs.to(draft.device), output_hidden_states=True)
+        draft_logits = _fit(draft_out.logits[0].float().cpu(), width)
+        producing_states = draft_out.hidden_states[-1][0].float().cpu()
         # position i's outputs predict token i + 1; response tokens are ids[start:]
         rows = torch.arange(max(start, 1) - 1, len(ids) - 1)
         t_next = target_logits[rows]
@@ -102,9 +106,10 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         states = draft.model(input_ids=mixed[None].to(draft.device)).last_hidden_state[0].float().cpu()
         scored = ~keep_target
         hidden_rows.append(states[rows + 1][scored].to(torch.float16))
-        before_rows.append(states[rows][scored].to(torch.float16))
+        before_rows.append(producing_states[rows][scored].to(torch.float16))
         labels.append(label[scored])
         confidences.append(confidence[scored])
+        candidates.append(candidate[scored].to(torch.int32))
         owners.append(torch.full((int(scored.sum()),), index, dtype=torch.int32))
     if not labels:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
@@ -113,6 +118,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         "hidden_before": torch.cat(before_rows),
         "label": torch.cat(labels),
         "confidence": torch.cat(confidences),
+        "candidate": torch.cat(candidates),
         "text": torch.cat(owners),
     }
 
@@ -126,7 +132,9 @@ def _fit(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 def data_key(spec, texts: list[TrainingText], settings: DataSettings) -> str:
     """What the cached data depends on: the draft, the texts and the settings."""
-    h = hashlib.sha256(b"v3")  # v2: rows carry the draft's confidence; v3: and the state before the candidate
+    # v2: rows carry the draft's confidence; v3: and the state before the candidate; v4: that state
+    # taken from the forward that produced the candidate (v3 took it from the mixed sequence's)
+    h = hashlib.sha256(b"v4")
     h.update(draft_fingerprint(spec.draft_model).encode())
     h.update(str(getattr(spec, "name", "")).encode())
     h.update(json.dumps(asdict(settings), sort_keys=True).encode())

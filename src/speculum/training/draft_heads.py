@@ -147,13 +147,17 @@ def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regen
                           regenerate)  # fmt: skip
 
 
-def choose_draft_vocab(data: dict[str, torch.Tensor], size: int) -> tuple[torch.Tensor, float]:
+def choose_draft_vocab(
+    data: dict[str, torch.Tensor], size: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
     """The ``size`` tokens the target predicts most often on the response positions (ties: most
-    frequent input tokens first), and the share of those labels they cover."""
-    labels = data["label"][data["response"]]
+    frequent input tokens first), and the share of those labels they cover. ``rows``: the positions
+    that may be counted (the training texts': the validation texts' labels must not choose it)."""
+    rows = torch.ones_like(data["response"]) if rows is None else rows
+    labels = data["label"][data["response"] & rows]
     vocab = int(max(int(data["label"].max()), int(data["token"].max())) + 1)
     counts = torch.bincount(labels, minlength=vocab).double()
-    counts += torch.bincount(data["token"], minlength=vocab).double() * 1e-6  # break ties by text frequency
+    counts += torch.bincount(data["token"][rows], minlength=vocab).double() * 1e-6  # ties: by text frequency
     chosen = counts.argsort(descending=True)[: min(size, vocab)]
     coverage = float(counts[chosen].floor().sum() / max(len(labels), 1))
     return chosen.sort().values, coverage
@@ -351,14 +355,16 @@ def train(
     from tqdm.auto import tqdm
 
     settings.check()
-    torch.manual_seed(settings.seed)
-    draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab)
-    module = build_module(settings, data["hidden"].shape[1], draft_vocab)
     embeddings = spec.model.get_input_embeddings()
     examples = Examples(data, settings.span, settings.context, settings.consistent, settings.kind == "ctc")
     sources = data.get("source", data["text"])  # a text and the target's continuation of it: one side of the split
     train_mask, val_mask = split_by_text({"text": sources[examples.roots]}, settings.val_fraction, settings.seed)
     train_roots, val_roots = examples.roots[train_mask], examples.roots[val_mask]
+    # the draft vocabulary is chosen from the training texts only (validation stays unseen)
+    training_rows = torch.isin(sources, torch.unique(sources[train_roots]))
+    draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab, training_rows)
+    torch.manual_seed(settings.seed)
+    module = build_module(settings, data["hidden"].shape[1], draft_vocab)
     if len(train_roots) == 0:
         raise InvalidInputError("no training examples: give more (or longer) texts")
     per_epoch = min(len(train_roots), settings.max_examples or len(train_roots))

@@ -1,0 +1,246 @@
+"""The controller: each round, how much speculation pays on this machine, for any drafter.
+
+Speculation is a bet: drafting costs time, verifying n tree nodes costs t(n) instead of t(1), and
+what comes back is the tokens the target accepts. The controller makes the bet each round with
+measured numbers instead of fixed settings, so a method is never meaningfully slower than plain
+decoding:
+
+- **Draft or not.** It keeps the realised goodput (committed tokens per second, drafting time
+  included) of the rounds where the drafter was asked, and compares it with a plain step's. When
+  asking stops paying, it takes plain rounds (a plain round costs what plain decoding does: the
+  drafter is not called), and asks again after a back-off of 1, 2, 4, ... rounds, at most
+  ``max_backoff``: a drafter that becomes good again is noticed within that many rounds, and one
+  that stays bad costs one probe per ``max_backoff`` rounds. Control is on goodput, not on
+  acceptance: acceptance can stay high while speculation stops paying.
+- **What to verify.** Each draft node gets an estimate of P(accepted | its parent accepted) from
+  what its drafter says of it (``Draft.scores``: the draft's probability, n-gram agreement, a
+  head's score) calibrated online against what the target accepted (:class:`Calibration`). The
+  chance a node is reached is the product along its path; the controller keeps the sub-tree of the
+  most likely nodes whose expected committed tokens per second, under the cost model t(n), is
+  highest, and hands the engine a keep-mask (pruning is lossless: dropped nodes are simply not
+  verified). Nothing kept means a plain step.
+- **Exploration.** A probe round (after a back-off) verifies the draft unpruned, so calibration
+  keeps learning even when estimates say nothing pays.
+
+Exactness is untouched: the controller only decides which draft nodes are verified, or whether to
+draft at all. A sampled node's score must not depend on its own token (see ``Draft``): pruning on a
+sampled token's value would bias the distribution the verifier corrects for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from speculum.costs import CostModel
+from speculum.tree import Draft, TokenTree
+
+BINS = 10  # calibration bins over a drafter's score in [0, 1]
+DEPTH_BINS = 8  # for unscored nodes: one bin per depth, the last for everything deeper
+
+
+@dataclass
+class Calibration:
+    """P(node accepted | parent accepted) per bin of what the drafter says (its score, or the node's
+    depth when it gives none): a Beta posterior per bin, its prior centred on the score itself (the
+    drafter's own belief) or on 0.5, with old evidence slowly forgotten so the estimate follows the
+    request in flight."""
+
+    prior_strength: float = 2.0
+    forget: float = 0.995  # evidence weight kept per update (~200 verified nodes of memory)
+    counts: dict[tuple, list[float]] = field(default_factory=dict)  # bin -> [accepted, rejected]
+
+    @staticmethod
+    def _bin(score: float | None, depth: int, source: str) -> tuple:
+        if score is None:
+            return (source, "depth", min(depth, DEPTH_BINS))
+        return (source, "score", min(BINS - 1, int(max(0.0, min(1.0, score)) * BINS)))
+
+    def estimate(self, score: float | None, depth: int, source: str = "") -> float:
+        key = self._bin(score, depth, source)
+        prior = 0.5 if score is None else (key[2] + 0.5) / BINS
+        accepted, rejected = self.counts.get(key, (0.0, 0.0))
+        strength = self.prior_strength
+        return (accepted + prior * strength) / (accepted + rejected + strength)
+
+    def update(self, score: float | None, depth: int, accepted: bool, source: str = "") -> None:
+        key = self._bin(score, depth, source)
+        counts = self.counts.setdefault(key, [0.0, 0.0])
+        counts[0] = counts[0] * self.forget + (1.0 if accepted else 0.0)
+        counts[1] = counts[1] * self.forget + (0.0 if accepted else 1.0)
+
+
+@dataclass
+class Plan:
+    """What the controller decided for one round."""
+
+    keep: list[bool] | None  # per draft node; None: verify everything proposed
+    expected_tokens: float  # committed tokens expected (bonus included)
+    predicted_seconds: float  # the round's predicted verification time
+    pruned: int = 0  # draft nodes within reach of the tokens left that it chose not to verify
+
+
+class Controller:
+    """Decides, round by round, whether to draft and what to verify (see the module docstring).
+
+    One per drafter configuration, kept across requests (calibration and goodput carry over; the
+    back-off restarts with each request). ``cost`` is the target's cost model, shared and refined
+    by every verification forward.
+    """
+
+    def __init__(self, cost: CostModel, *, max_backoff: int = 32, smoothing: float = 0.3, margin: float = 0.0):
+        self.cost = cost
+        self.max_backoff = max_backoff
+        self.smoothing = smoothing  # weight of the newest round in the goodput averages
+        self.margin = margin  # asking must beat a plain step by this share to keep asking
+        self.calibration = Calibration()
+        # committed tokens and seconds per round of the rounds that asked the drafter (moving averages:
+        # their ratio is the goodput of asking)
+        self.asked_tokens: float | None = None
+        self.asked_seconds = 0.0
+        self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
+        self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
+        self._backoff = 1
+        self._plain_left = 0
+        self.probing = False
+        self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
+        self._expected = 2.0  # committed tokens expected per round, recently
+
+    # ------------------------------------------------------------------ per request
+
+    def start(self) -> None:
+        self._backoff, self._plain_left, self.probing = 1, 0, False
+
+    @property
+    def asked_rate(self) -> float:
+        """Committed tokens per second of the rounds that asked the drafter (0 before any)."""
+        return (self.asked_tokens or 0.0) / max(self.asked_seconds, 1e-9)
+
+    def plain_rate(self) -> float:
+        seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
+        return 1.0 / max(seconds, 1e-9)
+
+    def wants_draft(self) -> bool:
+        """Whether to ask the drafter this round (False: a plain step)."""
+        if self._plain_left > 0:
+            self._plain_left -= 1
+            self.probing = self._plain_left == 0  # the round after a back-off is a probe
+            return False
+        return True
+
+    # ------------------------------------------------------------------ what to verify
+
+    def plan(self, draft: Draft, max_depth: int, prunable: bool = True) -> Plan:
+        """The keep-mask over ``draft``'s nodes that maximises expected committed tokens per second."""
+        depths = draft.depths()
+        scores = draft.scores if draft.scores is not None else [None] * len(draft)
+        sources = draft.sources if draft.sources is not None else [""] * len(draft)
+        reach = [0.0] * len(draft)  # P(node reached and accepted)
+        by_parent: dict[int, list[int]] = {}
+        for i, parent in enumerate(draft.parents):
+            by_parent.setdefault(parent, []).append(i)
+        for parent, children in by_parent.items():  # parents before children: reach[parent] is final
+            above = 1.0 if parent < 0 else reach[parent]
+            chances = [self.calibration.estimate(scores[c], depths[c], sources[c]) if depths[c] <= max_depth else 0.0
+                       for c in children]  # fmt: skip
+            total = sum(chances)
+            scale = 1.0 / total if total > 1.0 else 1.0  # siblings are exclusive: at most one is accepted
+            for child, chance in zip(children, chances, strict=True):
+                reach[child] = above * chance * scale
+        within = sum(1 for d in depths if d <= max_depth)
+        if not prunable or self.probing:
+            expected = 1.0 + sum(reach[i] for i in range(len(draft)) if depths[i] <= max_depth)
+            return self._planned(Plan(None, expected, self.cost(within + 1)), within)
+        if draft.probs is not None:
+            keep = self._local_keep(draft, reach, depths, max_depth)
+        else:
+            keep = self._best_keep(reach, depths)
+        kept = sum(keep)
+        expected = 1.0 + sum(r for r, k in zip(reach, keep, strict=True) if k)
+        return self._planned(Plan(keep, expected, self.cost(kept + 1), within - kept), kept)
+
+    def _best_keep(self, reach: list[float], depths: list[int]) -> list[bool]:
+        """Deterministic drafts: the prefix of nodes, most likely first, with the best expected tokens
+        per second. Reach never grows along a path, so every prefix of that order (ties broken by
+        depth, then draft order) holds each node's parent."""
+        order = sorted((i for i in range(len(reach)) if reach[i] > 0), key=lambda i: (-reach[i], depths[i], i))
+        best_m, best_value, gained = 0, 1.0 / (self.cost(1) + self.overhead), 0.0
+        for m, node in enumerate(order, start=1):
+            gained += reach[node]
+            value = (1.0 + gained) / (self.cost(m + 1) + self.overhead)
+            if value > best_value:
+                best_m, best_value = m, value
+        keep = [False] * len(reach)
+        for node in order[:best_m]:
+            keep[node] = True
+        return keep
+
+    def _local_keep(self, draft: Draft, reach: list[float], depths: list[int], max_depth: int) -> list[bool]:
+        """Drafts with sampled nodes: whether a node is verified may depend only on what was known
+        before it was sampled (its ancestors, its own sampling distribution, this controller's past),
+        never on its own token or on other branches (keeping a sampled token because of what it or a
+        later sample turned out to be would bias the output, as the oracle's stop would). So each node
+        is kept when its parent is and its chance of being reached beats a threshold set from past
+        rounds: the gain one more node must bring to pay for its verification cost."""
+        size = max(1, round(self._kept_size))
+        extra = self.cost(size + 2) - self.cost(size + 1)
+        threshold = self._expected * max(extra, 0.0) / (self.cost(size + 1) + self.overhead)
+        keep = [False] * len(draft)
+        for i, parent in enumerate(draft.parents):
+            above = parent < 0 or keep[parent]
+            keep[i] = above and depths[i] <= max_depth and reach[i] > threshold
+        return keep
+
+    def _planned(self, plan: Plan, kept: int) -> Plan:
+        """Remember what this round kept and expected: the local rule's threshold comes from them."""
+        self._kept_size += self.smoothing * (kept - self._kept_size)
+        self._expected += self.smoothing * (plan.expected_tokens - self._expected)
+        return plan
+
+    # ------------------------------------------------------------------ learning
+
+    def observe_round(
+        self,
+        tree: TokenTree,
+        path: list[int],
+        draft: Draft | None,
+        *,
+        asked: bool,
+        committed: int,
+        forward_seconds: float,
+        round_seconds: float,
+    ) -> None:
+        """What the round cost and gave: calibration from the verified nodes, the cost model from the
+        forward, goodput from the whole round (drafting included)."""
+        self.cost.observe(len(tree), forward_seconds)
+        overhead = max(0.0, round_seconds - forward_seconds)
+        if not asked:
+            self.overhead += self.smoothing * (overhead - self.overhead)
+            self.plain_round = round_seconds if self.plain_round is None else (
+                self.plain_round + self.smoothing * (round_seconds - self.plain_round))  # fmt: skip
+            return
+        if draft is not None and len(tree) > 1:
+            self._calibrate(tree, path, draft)
+        if self.probing or self.asked_tokens is None:
+            self.asked_tokens, self.asked_seconds = committed, round_seconds  # fresh evidence of how it does now
+        else:
+            self.asked_tokens += self.smoothing * (committed - self.asked_tokens)
+            self.asked_seconds += self.smoothing * (round_seconds - self.asked_seconds)
+        self.probing = False
+        if self.asked_rate < self.plain_rate() * (1.0 + self.margin):
+            self._plain_left = self._backoff
+            self._backoff = min(self._backoff * 2, self.max_backoff)
+        else:
+            self._backoff = 1
+
+    def _calibrate(self, tree: TokenTree, path: list[int], draft: Draft) -> None:
+        """Every verified node whose parent was accepted is a sample of P(accepted | parent accepted)."""
+        on_path = set(path)
+        scores, sources = draft.scores, draft.sources
+        depth = tree.depth
+        for node in range(1, len(tree)):
+            if tree.parents[node] not in on_path:
+                continue
+            j = tree.source[node]
+            score = scores[j] if scores is not None else None
+            source = sources[j] if sources is not None else ""
+            self.calibration.update(score, depth[node], node in on_path, source)

@@ -1,0 +1,220 @@
+"""The cost model: what one target forward over an n-node tree costs on this machine.
+
+One model serves the engine's controller, ``speculum tune`` and the studies scripts:
+
+- **Measured** once for the loaded model, dtype, device and thread count (:meth:`CostModel.measure`:
+  a few forwards over trees of 1..64 nodes after a cache of a typical prompt length, a second or
+  two), and cached on disk (:func:`measured_cost_model`) under a key that another CPU, model, dtype,
+  device, thread count or library version never shares.
+- **Refined online** (:meth:`CostModel.observe`): every verification forward the engine runs is a
+  free sample. Each sample updates a correction factor for its size bucket (an exponential moving
+  average of measured / predicted), so the curve follows a machine that got busier, a cache that
+  grew long, or a CPU whose measurement was noisy, without forgetting its shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("speculum")
+
+FORMAT = "speculum-costs"
+VERSION = 1
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
+
+
+def _bucket(n: int) -> int:
+    """The size bucket of an n-node forward: powers of two (1, 2, 3-4, 5-8, ...)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+@dataclass
+class CostModel:
+    """t(n): seconds of one target forward (and commit) over an n-node tree (root included), from
+    measured points interpolated linearly (extrapolated from the last two beyond), times an online
+    correction per size bucket."""
+
+    points: list[tuple[int, float]]
+    smoothing: float = 0.1  # weight of each new online sample
+    correction: dict[int, float] = field(default_factory=dict)  # size bucket -> measured / base
+
+    def base(self, n: int) -> float:
+        pts = self.points
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+
+    def __call__(self, n: int) -> float:
+        return self.base(n) * self._factor(_bucket(n))
+
+    def _factor(self, bucket: int) -> float:
+        if bucket in self.correction:
+            return self.correction[bucket]
+        if not self.correction:
+            return 1.0
+        # an unseen size: the nearest observed bucket's factor (the machine's load moves them together)
+        nearest = min(self.correction, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
+        return self.correction[nearest]
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A forward over ``n`` nodes took ``seconds``: move that size's correction towards it."""
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        bucket = _bucket(n)
+        ratio = seconds / max(self.base(n), 1e-9)
+        old = self.correction.get(bucket)
+        self.correction[bucket] = ratio if old is None else old + self.smoothing * (ratio - old)
+
+    def with_plain_step(self, seconds: float) -> CostModel:
+        """This curve with t(1) replaced by a measured plain-decoding cost per token."""
+        return CostModel([(1, seconds)] + [pt for pt in self.points if pt[0] > 1], self.smoothing)
+
+    @property
+    def plain_step(self) -> float:
+        """t(1): one token, what plain decoding pays per token."""
+        return self(1)
+
+    @classmethod
+    def measure(cls, runner, prefix_ids: list[int], sizes: Sequence[int] = SIZES, reps: int = 3) -> CostModel:
+        """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids`` (one warm-up
+        each). Sizes past 1 are two chains below the root, so the tree mask is paid as in real drafts."""
+        from speculum.cache import crop
+
+        cache = runner.new_cache()
+        runner.prefill(cache, prefix_ids[:-1])
+        past = len(prefix_ids) - 1
+        points = []
+        for n in sizes:
+            tree = two_branch_tree(prefix_ids, n)
+            times = []
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                out = runner.forward(cache, tree)
+                out.logits[0].argmax()  # the verifier reads at least the root's row
+                times.append(time.perf_counter() - start)
+                crop(cache, past)
+            points.append((n, statistics.median(times[1:])))
+        return cls(points)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "points": [[n, t] for n, t in self.points]}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> CostModel:
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise ValueError("not a speculum cost file of this version")
+        points = [(int(n), float(t)) for n, t in doc["points"]]
+        if not points or any(t <= 0 or not math.isfinite(t) for _, t in points):
+            raise ValueError("bad points")
+        return cls(sorted(points))
+
+
+def two_branch_tree(ids: list[int], n: int):
+    """An n-node tree (root included) of two chains below the root (a chain would take the cheaper
+    causal path, which real trees do not)."""
+    from speculum.tree import TokenTree
+
+    tokens = [ids[-1]] + [ids[i % len(ids)] for i in range(n - 1)]
+    second = 1 + n // 2  # the second chain starts here (nodes 1..second-1 are the first)
+    parents = [-1] + [0 if i in (1, second) else i - 1 for i in range(1, n)]
+    return TokenTree(tokens, parents)
+
+
+# ---------------------------------------------------------------------------------- the disk cache
+
+
+def cache_dir() -> Path:
+    from speculum.models.convert import cache_dir as speculum_cache
+
+    return speculum_cache() / "costs"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its vector extensions (another CPU must not reuse a measurement)."""
+    name, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    wanted = ("avx", "amx", "fma", "f16c", "bf16")
+                    flags = " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(wanted)))
+                    break
+    except OSError:
+        pass
+    return f"{name}|{flags}"
+
+
+def machine_key(runner) -> str:
+    """What a measured curve depends on: the model's shape and dtype, whether it is prepacked, the
+    device, threads, the CPU and library versions."""
+    import transformers
+
+    model = runner.model
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shape = {
+        k: getattr(config, k, None)
+        for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "head_dim")
+    }  # fmt: skip
+    packed = any(type(m).__name__ != "Linear" and "Linear" in type(m).__name__ for m in model.modules())
+    device = runner.input_device
+    accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
+    parts = [
+        json.dumps(shape, sort_keys=True),
+        str(runner.dtype),
+        f"packed={packed}",
+        str(device),
+        f"threads={torch.get_num_threads()}",
+        accelerator,
+        torch.__version__,
+        transformers.__version__,
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh: bool = False) -> CostModel:
+    """The cost model of ``runner``'s model on this machine: from the disk cache when this exact
+    setting was measured before, else measured now (a second or two) and cached. A cache file that
+    cannot be read is measured again, never an error."""
+    from speculum.poolfile import write_atomic
+
+    path = cache_dir() / f"{machine_key(runner)}.json"
+    if not refresh:
+        try:
+            model = CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            log.debug("speculum: verification costs from %s", path)
+            return model
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if prefix_ids is None:  # a typical chat-length context: costs grow a little with the cache
+        prefix_ids = [i % 1000 + 10 for i in range(256)]
+    start = time.perf_counter()
+    model = CostModel.measure(runner, prefix_ids)
+    log.info(
+        "speculum: measured verification costs in %.1f s: %s",
+        time.perf_counter() - start,
+        ", ".join(f"t({n})={t * 1000:.1f} ms" for n, t in model.points),
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, (json.dumps(model.to_dict()) + "\n").encode(), what="cost file")
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs a re-measure, nothing more
+        log.warning("speculum: could not cache the measured costs in %s: %s", path, exc)
+    return model

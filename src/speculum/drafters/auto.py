@@ -1,0 +1,294 @@
+"""``auto``: every drafter the loaded model has, composed into one token tree each round.
+
+Which drafters: the n-gram ones always (ANPD's multi-level table and prompt lookup: they cost
+microseconds), trained heads when some ship for the target or are named (``medusa``, ``ctc``), and
+the draft model when one is loaded (``draft_model``, which ``self:N`` drafts are too). Lookahead is
+left out (its Jacobi window needs the target's output at every node it proposes, which a pruned,
+composed tree does not promise), and so is Ouroboros (its draft model and its phrases are what
+``draft_model`` and the n-gram drafters bring here).
+
+Each round the cheap drafters propose; the draft model proposes only while the rounds that ran it
+have paid more per second than the rounds that did not (measured goodput, explored again after a
+back-off of 1, 2, 4, ... rounds, as the controller does for drafting at all). The proposals are
+merged into one draft: identical deterministic branches become one node (the first drafter listed
+keeps it), sampled branches stay apart (each is an independent sample, which the verifier's
+multi-candidate rule needs), and every node remembers its drafter (``Draft.sources``): the
+controller calibrates each drafter's scores apart and prunes the merged tree to what pays on this
+machine, and the stats count accepted tokens by drafter. Each drafter then observes the step in its
+own numbering, as if it had drafted alone.
+
+Lossless as every method: the verifier decides, drafters only propose.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
+from speculum.errors import InvalidInputError, SpeculumError
+
+__all__ = ["AutoDrafter", "Options"]
+
+CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model")
+MODEL_DRAFTERS = ("draft_model",)  # the ones whose drafting costs model forwards: run when they pay
+
+
+@dataclass
+class Options:
+    """Parameters of the ``auto`` method."""
+
+    drafters: str | None = None  # comma-separated names from CANDIDATES; None: every one available
+    num_speculative_tokens: int = 8  # the deepest draft any of them may propose
+    max_backoff: int = 32  # the draft model is tried again within this many rounds after it stopped paying
+
+    def __post_init__(self) -> None:
+        check_options("auto", self, {"num_speculative_tokens": 1, "max_backoff": 1})
+        if self.drafters is not None:
+            names = self.names()
+            unknown = [n for n in names if n not in CANDIDATES]
+            if unknown or not names:
+                raise InvalidInputError(
+                    f"auto: drafters must name some of {', '.join(CANDIDATES)}; got {self.drafters!r}"
+                )
+
+    def names(self) -> list[str]:
+        if self.drafters is None:
+            return list(CANDIDATES)
+        if not isinstance(self.drafters, str):
+            raise InvalidInputError(f"auto: drafters must be a comma-separated string, got {self.drafters!r}")
+        return [n.strip() for n in self.drafters.split(",") if n.strip()]
+
+
+def _sub_config(name: str, depth: int):
+    """Each drafter's settings inside ``auto``: trees where the drafter has them (the controller prunes
+    them), drafts up to ``depth`` deep, the draft model stopping on its own confidence."""
+    from speculum.methods import SpeculativeConfig
+
+    params = {
+        "anpd": {"num_speculative_tokens": depth, "tree": True},
+        "prompt_lookup": {"num_speculative_tokens": depth},
+        "medusa": {},
+        "ctc": {},
+        "draft_model": {"num_speculative_tokens": depth, "length_policy": "confidence", "confidence_threshold": 0.5},
+    }[name]
+    return SpeculativeConfig(name, controller=False, **params)
+
+
+@dataclass
+class _Part:
+    name: str
+    drafter: Drafter
+    draft: Draft | None = None
+    nodes: list[int] = field(default_factory=list)  # index in the merged draft of each of this draft's nodes
+
+
+class _Goodput:
+    """Committed tokens and seconds per round, as moving averages (their ratio is the goodput)."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.tokens: float | None = None
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float, fresh: bool = False) -> None:
+        if fresh or self.tokens is None:
+            self.tokens, self.seconds = float(tokens), seconds
+        else:
+            self.tokens += self.smoothing * (tokens - self.tokens)
+            self.seconds += self.smoothing * (seconds - self.seconds)
+
+    @property
+    def rate(self) -> float | None:
+        return None if self.tokens is None else self.tokens / max(self.seconds, 1e-9)
+
+
+class ModelGate:
+    """Whether to run the draft model this round: while rounds with it pay more per second than rounds
+    without it; after it stops paying it is tried again after 1, 2, 4, ... ``max_backoff`` rounds.
+    While it runs, one round in ``refresh`` goes without it, to keep that side's measure fresh."""
+
+    def __init__(self, max_backoff: int = 32, refresh: int = 16):
+        self.max_backoff = max_backoff
+        self.refresh = refresh
+        self.with_model, self.without_model = _Goodput(), _Goodput()
+        self._backoff, self._skip, self._probe = 1, 0, False
+        self._since_refresh = 0
+
+    def use(self) -> bool:
+        if self._skip > 0:
+            self._skip -= 1
+            self._probe = self._skip == 0
+            return False
+        return True
+
+    def record(self, used: bool, tokens: int, seconds: float) -> None:
+        if not used:
+            self.without_model.add(tokens, seconds)
+            return
+        self.with_model.add(tokens, seconds, fresh=self._probe)
+        self._probe = False
+        cheap = self.without_model.rate
+        if cheap is not None and self.with_model.rate < cheap:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, self.max_backoff)
+            self._since_refresh = 0
+            return
+        self._backoff = 1
+        self._since_refresh += 1
+        if cheap is None or self._since_refresh >= self.refresh:
+            self._skip, self._since_refresh = 1, 0  # one round without it: measure that side (again)
+
+
+class AutoDrafter(Drafter):
+    """Every available drafter, composed (see the module docstring)."""
+
+    name: ClassVar[str] = "auto"
+    Options: ClassVar[type] = Options
+
+    def __init__(self, options: Options | None = None, resources: Resources | None = None):
+        self.options = options = Options() if options is None else options
+        resources = resources or Resources()
+        explicit = options.drafters is not None
+        self.parts: list[_Part] = []
+        skipped = []
+        for name in options.names():
+            if name in MODEL_DRAFTERS and resources.draft_model is None:
+                if explicit:
+                    raise InvalidInputError(f"auto: {name} needs a draft model: load(..., draft=...)")
+                continue
+            config = _sub_config(name, options.num_speculative_tokens)
+            try:
+                drafter = config.drafter_class()(config.options(), resources)
+            except SpeculumError as exc:  # e.g. no heads ship for this model
+                if explicit:
+                    raise InvalidInputError(f"auto: {name}: {exc}") from None
+                skipped.append(name)
+                continue
+            if name == "ctc" and any(p.name == "medusa" for p in self.parts) and not explicit:
+                continue  # one kind of heads is enough by default (Medusa's trees were accepted further)
+            self.parts.append(_Part(name, drafter))
+        if not self.parts:
+            raise InvalidInputError("auto: no drafter is available for this model")
+        self.skipped = skipped
+        self.wants_hidden_states = any(p.drafter.wants_hidden_states for p in self.parts)
+        self.gate = ModelGate(options.max_backoff)
+        self._proposed = False  # propose ran this round (the controller may have chosen a plain step)
+        self._used_model = False
+        self._round_start = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        """The drafters composed, in priority order."""
+        return [p.name for p in self.parts]
+
+    @property
+    def forwards(self) -> int:
+        return sum(p.drafter.forwards for p in self.parts)
+
+    def check(self, sampling) -> None:
+        for part in self.parts:
+            part.drafter.check(sampling)
+
+    def start(self, ctx: DraftContext) -> None:
+        for part in self.parts:
+            part.drafter.start(ctx)
+            part.draft = None
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        self._round_start = time.perf_counter()
+        self._proposed = True
+        self._used_model = self.gate.use()
+        for part in self.parts:
+            part.draft = None
+            if part.name in MODEL_DRAFTERS and not self._used_model:
+                continue
+            draft = part.drafter.propose(ctx)
+            part.draft = draft if draft is not None and len(draft) else None
+        return self._merged()
+
+    def _merged(self) -> Draft | None:
+        """One draft of every part's (see the module docstring)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor | None] = []
+        scores: list[float | None] = []
+        sources: list[str] = []
+        deterministic: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        for part in self.parts:
+            part.nodes = []
+            draft = part.draft
+            if draft is None:
+                continue
+            for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+                above = -1 if parent < 0 else part.nodes[parent]
+                q = draft.q(j)
+                node = deterministic.get((above, token)) if q is None else None
+                if node is None:
+                    node = len(tokens)
+                    tokens.append(token)
+                    parents.append(above)
+                    probs.append(q)
+                    scores.append(draft.scores[j] if draft.scores is not None else None)
+                    sources.append(part.name)
+                    if q is None:
+                        deterministic[(above, token)] = node
+                part.nodes.append(node)
+        if not tokens:
+            return None
+        sampled = any(q is not None for q in probs)
+        return Draft(tokens, parents, probs if sampled else None, scores, sources)
+
+    def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
+        if self._proposed:  # the round's goodput, drafting and verification included
+            self.gate.record(self._used_model, len(outcome.accepted) + 1, time.perf_counter() - self._round_start)
+        for part in self.parts:
+            part.drafter.observe(ctx, self._outcome_for(part, outcome))
+            part.draft = None
+        self._proposed = self._used_model = False
+
+    def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
+        """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own
+        share of the accepted path, its own nodes' target outputs."""
+        target = outcome.target
+        if part.draft is None or outcome.draft is None or target is None:
+            return Outcome([], [], outcome.next_token, 0, None, target)
+        own = {merged: j for j, merged in enumerate(part.nodes)}
+        nodes = []
+        for merged in outcome.accepted_nodes:
+            if merged not in own:
+                break
+            nodes.append(own[merged])
+        tree = target.tree
+        node_of = [tree.node_of[merged] if merged < len(tree.node_of) else -1 for merged in part.nodes]
+        view = TargetOutputs(
+            _NodeMap(node_of), target._logits, target._sampling, target.hidden_states, _known_argmax(target)
+        )
+        drafted = sum(1 for n in node_of if n >= 0)
+        accepted = [part.draft.tokens[j] for j in nodes]
+        return Outcome(accepted, nodes, outcome.next_token, drafted, part.draft, view)
+
+    def finish(self, ctx: DraftContext) -> None:
+        for part in self.parts:
+            part.drafter.finish(ctx)
+
+    def request_stats(self) -> dict:
+        merged: dict = {}
+        for part in self.parts:
+            for key, value in part.drafter.request_stats().items():
+                merged[key] = merged.get(key, 0) + value if isinstance(value, (int, float)) else value
+        return merged
+
+
+class _NodeMap:
+    """What TargetOutputs reads of a tree: which tree node holds each draft node (-1: not verified)."""
+
+    def __init__(self, node_of: list[int]):
+        self.node_of = node_of
+
+
+def _known_argmax(target: TargetOutputs) -> list[int] | None:
+    """The target's argmax at every tree node when the verifier already computed it (no new work)."""
+    return target.__dict__.get("_tree_argmax")

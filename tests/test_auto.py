@@ -1,0 +1,145 @@
+"""method="auto": every available drafter composed into one tree; exact, greedy and sampled."""
+
+import pytest
+import torch
+
+from speculum import engine
+from speculum.controller import Controller
+from speculum.costs import CostModel
+from speculum.drafters.auto import AutoDrafter, ModelGate, Options
+from speculum.drafters.base import Draft, Drafter, Outcome, Resources, TargetOutputs
+from speculum.errors import InvalidInputError
+from speculum.methods import SpeculativeConfig
+from speculum.runner import ModelRunner
+from speculum.sampling import SamplingParams
+from speculum.stats import Stats
+from speculum.tree import TokenTree
+
+from helpers import build_drafter
+from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
+
+
+def auto(model, draft=None, **params):
+    return build_drafter("auto", draft, VOCAB, target=model, **params)
+
+
+def test_auto_takes_what_the_model_has():
+    model = tiny_model("llama")
+    assert auto(model).names == ["anpd", "prompt_lookup"]  # no heads ship for a random model, no draft
+    assert auto(model, perturbed_copy(model)).names == ["anpd", "prompt_lookup", "draft_model"]
+    assert auto(model, perturbed_copy(model), drafters="draft_model,anpd").names == ["draft_model", "anpd"]
+    with pytest.raises(InvalidInputError, match="needs a draft model"):
+        auto(model, drafters="draft_model")
+    with pytest.raises(InvalidInputError, match="drafters must name"):
+        SpeculativeConfig("auto", drafters="telepathy")
+    with pytest.raises(InvalidInputError, match="medusa"):
+        auto(model, drafters="medusa")  # asked for by name, and none found: said so
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("controlled", [False, True])
+def test_auto_equals_plain_greedy(arch, controlled):
+    model = tiny_model(arch)
+    draft = perturbed_copy(model, scale=0.3)
+    prompt = repetitive_prompt(24, 5, seed=3)
+    reference = reference_greedy(model, prompt, 30)
+    drafter = auto(model, draft)
+    controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)])) if controlled else None
+    for _ in range(2):
+        stats = Stats()
+        steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 30, frozenset(), None, stats,
+                           controller)  # fmt: skip
+        assert [t for step in steps for t in step] == reference
+        assert sum(stats.accepted_by.values()) == stats.accepted_tokens
+        assert set(stats.accepted_by) <= {"anpd", "prompt_lookup", "draft_model"}
+
+
+def test_auto_sampling_follows_the_target():
+    """Sampled draft-model chains merged with deterministic n-gram branches: exact (chi-square)."""
+    from scipy.stats import chisquare
+
+    from speculum.sampling import warp
+
+    model = tiny_model("llama", vocab_size=16)
+    draft = perturbed_copy(model, scale=0.3)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
+        exact = {}
+        for a in torch.nonzero(p1 > 0).flatten().tolist():
+            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
+            for b in torch.nonzero(p2 > 0).flatten().tolist():
+                exact[(a, b)] = p1[a].item() * p2[b].item()
+    drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3)
+    gen = torch.Generator().manual_seed(5)
+    counts = dict.fromkeys(exact, 0)
+    trials, mixed = 1500, 0
+    for _ in range(trials):
+        stats = Stats()
+        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 2, frozenset(), gen, stats)
+        counts[tuple(t for step in steps for t in step)] += 1
+        mixed += len(stats.accepted_by) > 0
+    assert mixed > 0
+    keep = [k for k, p in exact.items() if p * trials >= 5]
+    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
+    expected = [exact[k] * trials for k in keep]
+    expected.append(trials - sum(expected))
+    _, pvalue = chisquare(observed, expected)
+    assert pvalue > 1e-3
+
+
+class _Fixed(Drafter):
+    """Proposes a fixed draft and records what it observed."""
+
+    def __init__(self, draft):
+        self.draft, self.seen = draft, []
+
+    def propose(self, ctx):
+        return self.draft
+
+    def observe(self, ctx, outcome):
+        self.seen.append(outcome)
+
+
+def test_each_drafter_observes_the_step_in_its_own_numbering():
+    a = _Fixed(Draft([5, 6], [-1, 0]))  # 5 -> 6
+    b = _Fixed(Draft([7, 5, 8], [-1, -1, 1]))  # 7 ; 5 -> 8 (its 5 merges with a's)
+    drafter = AutoDrafter.__new__(AutoDrafter)
+    from speculum.drafters.auto import _Part
+
+    drafter.parts = [_Part("a", a, a.draft), _Part("b", b, b.draft)]
+    merged = drafter._merged()
+    assert merged.tokens == [5, 6, 7, 8] and merged.parents == [-1, 0, -1, 0]
+    assert merged.sources == ["a", "a", "b", "b"]
+    tree = TokenTree.from_draft(1, merged)
+    path = [0, tree.node_of[0], tree.node_of[3]]  # the target accepted 5 then 8
+    logits = torch.zeros(len(tree), VOCAB)
+    target = TargetOutputs(tree, logits, SamplingParams(), None)
+    outcome = Outcome([5, 8], tree.draft_path(path, merged), 9, len(tree) - 1, merged, target)
+    for_a = drafter._outcome_for(drafter.parts[0], outcome)
+    for_b = drafter._outcome_for(drafter.parts[1], outcome)
+    assert (for_a.accepted, for_a.accepted_nodes, for_a.drafted) == ([5], [0], 2)  # its 5, not its 6
+    assert (for_b.accepted, for_b.accepted_nodes, for_b.drafted) == ([5, 8], [1, 2], 3)
+    assert for_b.target.argmax_of([2]) == [0] and for_b.target.tree.node_of == [3, 1, 4]
+
+
+def test_the_model_gate_stops_running_a_model_that_does_not_pay_and_tries_again():
+    gate = ModelGate(max_backoff=8)
+    used = []
+    for i in range(60):
+        use = gate.use()
+        used.append(use)
+        # without the model: 1 token in 10 ms; with it: 1.2 tokens in 30 ms (worse), then 5 tokens (better)
+        good = i >= 40
+        gate.record(use, (5 if good else 1) if use else 1, 0.030 if use else 0.010)
+    assert sum(used[10:40]) <= 30 // 8 + 2  # backed off
+    assert all(used[52:])  # noticed it pays within one back-off, then kept it
+
+
+def test_auto_options():
+    assert Options().names() == ["anpd", "prompt_lookup", "medusa", "ctc", "draft_model"]
+    with pytest.raises(InvalidInputError):
+        Options(num_speculative_tokens=0)
+    r = Resources()
+    assert AutoDrafter(Options(drafters="anpd"), r).names == ["anpd"]

@@ -1,0 +1,216 @@
+"""The controller: what it verifies under a synthetic cost model, when it drafts, and exactness with it on."""
+
+import pytest
+import torch
+
+from speculum import engine
+from speculum.controller import Calibration, Controller
+from speculum.costs import CostModel
+from speculum.runner import ModelRunner
+from speculum.sampling import SamplingParams
+from speculum.stats import Stats
+from speculum.tree import Draft, TokenTree
+
+from helpers import build_drafter, generate_ids
+from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
+
+FLAT = CostModel([(1, 0.010), (64, 0.011)])  # verifying 64 nodes costs what one does (a GPU-like curve)
+STEEP = CostModel([(1, 0.010), (2, 0.020), (64, 0.640)])  # every node costs a whole step
+
+
+def chain_draft(n, score):
+    return Draft.chain(list(range(3, 3 + n)), scores=[score] * n)
+
+
+def run_rounds(controller, rounds, accepted_of, drafted=4, seconds=0.010, draft_seconds=0.002):
+    """Feed ``controller`` synthetic rounds: a 4-token chain whose first ``accepted_of(i)`` tokens are
+    accepted; returns which rounds asked the drafter."""
+    asked_rounds = []
+    for i in range(rounds):
+        asked = controller.wants_draft()
+        asked_rounds.append(asked)
+        if asked:
+            draft = chain_draft(drafted, 0.5)
+            plan = controller.plan(draft, 10)
+            tree = TokenTree.from_draft(1, draft, keep=plan.keep)
+            accepted = min(accepted_of(i), len(tree) - 1)
+            path = list(range(accepted + 1))
+            controller.observe_round(
+                tree, path, draft, asked=True, committed=accepted + 1,
+                forward_seconds=seconds, round_seconds=seconds + draft_seconds,
+            )  # fmt: skip
+        else:
+            controller.observe_round(
+                TokenTree([1], [-1]), [0], None, asked=False, committed=1,
+                forward_seconds=seconds, round_seconds=seconds,
+            )  # fmt: skip
+    return asked_rounds
+
+
+def test_a_steep_cost_curve_prunes_and_a_flat_one_keeps():
+    draft = chain_draft(8, 0.7)
+    flat = Controller(FLAT).plan(draft, 10)
+    steep = Controller(STEEP).plan(draft, 10)
+    assert flat.keep is not None and sum(flat.keep) == 8  # nearly free: verify everything likely
+    assert sum(steep.keep) == 0  # each node costs a full step: P(accept) < 1 never pays
+    assert steep.expected_tokens == 1.0
+
+
+def test_pruning_keeps_the_most_likely_nodes_and_their_ancestors():
+    # root -> a (0.9) -> b (0.9); root -> c (0.05) -> d (0.9)
+    draft = Draft([5, 6, 7, 8], [-1, 0, -1, 2], scores=[0.9, 0.9, 0.05, 0.9])
+    cost = CostModel([(1, 0.010), (2, 0.0105), (3, 0.011), (4, 0.030), (5, 0.040)])
+    plan = Controller(cost).plan(draft, 10)
+    assert plan.keep == [True, True, False, False]
+    tree = TokenTree.from_draft(1, draft, keep=plan.keep)
+    assert tree.tokens == [1, 5, 6] and tree.node_of == [1, 2, -1, -1]
+
+
+def test_nodes_beyond_the_depth_left_are_not_counted():
+    plan = Controller(FLAT).plan(chain_draft(8, 0.9), max_depth=3)
+    assert sum(plan.keep) == 3
+
+
+def test_calibration_learns_what_the_target_accepts():
+    cal = Calibration()
+    assert cal.estimate(0.95, 1) > 0.8  # before any evidence: the drafter's own belief
+    for _ in range(200):
+        cal.update(0.95, 1, accepted=False)
+    assert cal.estimate(0.95, 1) < 0.1
+    assert cal.estimate(None, 2) == pytest.approx(0.5)  # unscored nodes: by depth, from 0.5
+    for _ in range(50):
+        cal.update(None, 2, accepted=True)
+    assert cal.estimate(None, 2) > 0.9 and cal.estimate(None, 3) == pytest.approx(0.5)
+
+
+def test_a_drafter_that_is_never_right_gets_plain_steps():
+    controller = Controller(FLAT)
+    asked = run_rounds(controller, 200, accepted_of=lambda i: 0)
+    assert sum(asked[-100:]) <= 100 // 16  # back-off: one probe per 32 rounds at most, after a ramp
+
+
+def test_a_drafter_that_becomes_perfect_is_asked_again_within_the_backoff():
+    controller = Controller(FLAT, max_backoff=32)
+    run_rounds(controller, 200, accepted_of=lambda i: 0)  # long useless stretch: fully backed off
+    asked = run_rounds(controller, 80, accepted_of=lambda i: 4)
+    first = asked.index(True)
+    assert first <= 32  # noticed within one back-off
+    assert all(asked[first + 1 :])  # and then asked every round (plus it keeps verifying the draft)
+
+
+def test_a_good_drafter_keeps_drafting():
+    asked = run_rounds(Controller(FLAT), 100, accepted_of=lambda i: 3)
+    assert all(asked)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("draft_model", {"num_speculative_tokens": 4}),
+        ("anpd", {"tree": True}),
+        ("prompt_lookup", {}),
+        ("lookahead", {"window_size": 3, "ngram_size": 3}),
+        ("ouroboros", {"num_speculative_tokens": 3, "window_size": 2, "ngram_size": 3}),
+    ],
+)
+@pytest.mark.parametrize("cost", ["steep", "middle"])
+def test_greedy_output_is_unchanged_with_the_controller(arch, method, params, cost):
+    """Whatever the controller prunes or skips, the output is plain greedy decoding's."""
+    model = tiny_model(arch)
+    draft = perturbed_copy(model, scale=0.3)
+    prompt = repetitive_prompt(24, 5, seed=2)
+    reference = reference_greedy(model, prompt, 30)
+    curve = {"steep": STEEP, "middle": CostModel([(1, 0.01), (4, 0.012), (16, 0.03)])}[cost]
+    controller = Controller(CostModel(list(curve.points)))
+    drafter = build_drafter(method, draft, VOCAB, target=model, **params)
+    decided = 0
+    for _ in range(2):  # a second request: what the controller learned carries over
+        stats = Stats()
+        runner = ModelRunner(model)
+        steps = engine.run(runner, prompt, drafter, SamplingParams(), 30, frozenset(), None, stats, controller)
+        assert [t for step in steps for t in step] == reference
+        assert stats.rounds_drafted + stats.rounds_plain == stats.target_forwards
+        decided += stats.nodes_pruned + stats.rounds_plain
+    if cost == "steep":
+        assert decided > 0  # it did cut drafts or skip drafting
+
+
+def test_stats_report_what_the_controller_did():
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(24, 5, seed=2)
+    drafter = build_drafter("anpd", None, VOCAB, tree=True)
+    stats = Stats()
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 30, frozenset(), None, stats,
+                       Controller(CostModel([(1, 0.01), (64, 0.011)])))  # fmt: skip
+    out = [t for step in steps for t in step]
+    assert out == reference_greedy(model, prompt, 30)
+    assert stats.rounds_drafted > 0 and stats.predicted_tokens_per_second > 0
+    assert stats.drafted_tokens_per_second > 0 and stats.time_control > 0
+    d = stats.to_dict()
+    assert {"rounds_drafted", "rounds_plain", "nodes_pruned", "predicted_tokens_per_second"} <= set(d)
+
+
+def test_the_controller_off_is_the_method_as_published():
+    """No controller: the drafter's proposals are verified whole (the stats of today's engine)."""
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(24, 5, seed=2)
+    _, off = generate_ids(model, prompt, build_drafter("anpd", None, VOCAB, tree=True), 30)
+    assert off.rounds_drafted == off.rounds_plain == off.nodes_pruned == 0
+
+
+def test_sampled_drafts_pruned_by_the_controller_stay_exact():
+    """Sampling with pruning (a steep curve prunes sampled chains part way): the first two tokens
+    follow the warped target (chi-square), as without the controller."""
+    from scipy.stats import chisquare
+
+    from speculum.sampling import warp
+
+    model = tiny_model("llama", vocab_size=16)
+    draft = perturbed_copy(model, scale=0.3)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
+        exact = {}
+        for a in torch.nonzero(p1 > 0).flatten().tolist():
+            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
+            for b in torch.nonzero(p2 > 0).flatten().tolist():
+                exact[(a, b)] = p1[a].item() * p2[b].item()
+    controller = Controller(CostModel([(1, 0.010), (2, 0.012), (3, 0.030), (8, 0.08)]))
+    drafter = build_drafter("draft_model", draft, 16, length_policy="fixed", num_speculative_tokens=4)
+    gen = torch.Generator().manual_seed(3)
+    counts = dict.fromkeys(exact, 0)
+    trials, pruned = 1500, 0
+    for _ in range(trials):
+        stats = Stats()
+        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 2, frozenset(), gen, stats, controller)
+        counts[tuple(t for step in steps for t in step)] += 1
+        pruned += stats.nodes_pruned
+    assert pruned > 0  # the controller did prune sampled drafts
+    keep = [k for k, p in exact.items() if p * trials >= 5]
+    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
+    expected = [exact[k] * trials for k in keep]
+    expected.append(trials - sum(expected))
+    _, pvalue = chisquare(observed, expected)
+    assert pvalue > 1e-3
+
+
+def test_with_sampled_nodes_a_node_is_kept_on_what_was_known_before_it_was_sampled():
+    """Under sampling, keeping a node may not depend on its own token or on samples drawn after it:
+    that would bias the output as the oracle's stop would. A sampled node's score depends on the
+    distribution it was drawn from, not on its token; so a descendant's score, which does depend on
+    the node's token, must leave the node's decision unchanged."""
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    cost = [(1, 0.010), (2, 0.011), (3, 0.020), (8, 0.07)]
+
+    def keep_first(second_score):
+        controller = Controller(CostModel(list(cost)))  # the same past for every draft compared
+        return controller.plan(Draft([5, 6], [-1, 0], [q, q], [0.6, second_score]), 10).keep[0]
+
+    assert keep_first(0.01) == keep_first(0.5) == keep_first(0.99)
+    # the rule for deterministic drafts, by contrast, keeps a node for what its descendants promise
+    steep = [(1, 0.010), (2, 0.018), (3, 0.019)]
+    promising = Controller(CostModel(list(steep))).plan(Draft([5, 6], [-1, 0], scores=[0.55, 0.99]), 10).keep
+    hopeless = Controller(CostModel(list(steep))).plan(Draft([5, 6], [-1, 0], scores=[0.55, 0.01]), 10).keep
+    assert promising[0] and not hopeless[0]
