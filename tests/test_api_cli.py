@@ -39,6 +39,27 @@ def test_speculative_config_and_params(spec):
     assert again.token_ids == result.token_ids
 
 
+def test_machine_defaults_apply_on_cpu_as_a_whole_and_paper_preset_keeps_the_published_ones(spec):
+    from speculum.methods import MACHINE_DEFAULTS
+
+    measured = MACHINE_DEFAULTS["cpu"]["draft_model"]
+    on_cpu = speculum.SpeculativeConfig("draft_model").options("cpu")
+    assert all(getattr(on_cpu, name) == value for name, value in measured.items())
+    published = speculum.SpeculativeConfig("draft_model", preset="paper").options("cpu")
+    assert published == speculum.SpeculativeConfig("draft_model").options(None)  # no device: the published
+    assert published.length_policy != on_cpu.length_policy
+    # naming one parameter of the measured setting drops the rest: a fixed policy must not inherit K=20
+    fixed = speculum.SpeculativeConfig("draft_model", length_policy="fixed").options("cpu")
+    assert fixed.length_policy == "fixed" and fixed.num_speculative_tokens == published.num_speculative_tokens
+    # the spec builds its drafters with its device's setting, and the preset is part of the drafter's identity
+    assert spec.drafter_for(speculum.SpeculativeConfig("draft_model")).options == on_cpu
+    assert spec.drafter_for(speculum.SpeculativeConfig.coerce("draft_model", preset="paper")).options == published
+    base = spec.generate(PROMPT, "autoregressive", max_new_tokens=12)
+    assert spec.generate(PROMPT, "draft_model", max_new_tokens=12, preset="paper").token_ids == base.token_ids
+    with pytest.raises(speculum.InvalidInputError, match="preset"):
+        speculum.SpeculativeConfig("draft_model", preset="fast")
+
+
 def test_stream_concatenates_to_text(spec):
     stream = spec.generate(PROMPT, "prompt_lookup", max_new_tokens=20, stream=True)
     chunks = list(stream)

@@ -348,6 +348,7 @@ LONG_PROMPT = " ".join(["w5"] * 300)  # the tiny model's context is 256 position
         ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "nope"}}, 400, "speculative_config.method"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "anpd", "k": 1}}, 400, "speculative_config"),  # noqa: E501
+        ("/v1/completions", {"prompt": "w5", "speculative_config": {"method": "anpd", "preset": "fast"}}, 400, "speculative_config"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"num_speculative_tokens": 0}}, 400, "speculative_config"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"window_size": 10**6, "method": "lookahead"}}, 400, "speculative_config.window_size"),  # noqa: E501
         ("/v1/completions", {"prompt": "w5", "speculative_config": {"pool_path": "/tmp/x"}}, 400, "speculative_config.pool_path"),  # noqa: E501

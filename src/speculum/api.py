@@ -118,11 +118,16 @@ class Speculum:
             used = self._shared_uses[key] = set()
             resources = replace(self.resources(), shared=_SharedView(self._shared, used))
             try:
-                self._drafters[key] = config.drafter_class()(config.options(), resources)
+                self._drafters[key] = config.drafter_class()(config.options(self.device_type), resources)
             except BaseException:
                 del self._shared_uses[key]
                 raise
         return self._drafters[key]
+
+    @property
+    def device_type(self) -> str:
+        """Where the target computes ("cpu", "cuda", ...): which measured defaults apply."""
+        return torch.device(self.runner.output_device).type
 
     def forget(self, config: str | SpeculativeConfig) -> None:
         """Drop the drafter built for ``config``, and the shared objects (e.g. Ouroboros' phrase pool)

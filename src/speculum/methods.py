@@ -40,6 +40,28 @@ def _frozen(value: Any) -> Any:
 # round whether drafting pays on this machine and which draft nodes to verify.
 DEFAULT_CONTROLLER = False
 
+# Defaults measured on a class of machine. A method's Options hold the published settings (the
+# "paper" preset); on a device listed here the "machine" preset (the default) replaces them with
+# the setting measured best there, chosen on tuning prompts, never on the report sets (BENCHMARKS.md,
+# issue #18). A setting is one combination: when a config gives any of its parameters, the rest
+# stay the published ones (a fixed length policy must not inherit a confidence stop's bound of 20).
+PRESETS = ("machine", "paper")
+MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        # `speculum tune --method ouroboros --dataset mbpp` (benchmarks/results/ouroboros-qwen-tuned.json)
+        "ouroboros": {"num_speculative_tokens": 4, "window_size": 0, "draft_guesses": 2, "context_phrases": True},
+        # the confidence stop: best on the SpecDec++ tuning prompts (issue #8, specdecpp-tune-front.md)
+        "draft_model": {"length_policy": "confidence", "confidence_threshold": 0.8, "num_speculative_tokens": 20},
+        # W=N=G=4: a 7x5x7 window and guess set costs more than it returns on CPU verification
+        "lookahead": {"window_size": 4, "ngram_size": 4, "guess_set_size": 4},
+    },
+}
+
+
+def machine_defaults(method: str, device_type: str | None) -> dict[str, Any]:
+    """The measured setting of ``method`` on a device of ``device_type`` ("cpu", "cuda"), or {}."""
+    return dict(MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
+
 
 class SpeculativeConfig:
     """A method and its parameters, vLLM-style::
@@ -57,13 +79,17 @@ class SpeculativeConfig:
         method: str = "autoregressive",
         num_speculative_tokens: int | None = None,
         controller: bool | None = None,
+        preset: str = "machine",
         **params: Any,
     ):
         if method not in METHODS:
             raise UnknownMethodError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
         if controller is not None and not isinstance(controller, bool):
             raise InvalidInputError(f"controller must be true or false, got {controller!r}")
+        if preset not in PRESETS:
+            raise InvalidInputError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
         self.method = method
+        self.preset = preset
         self.num_speculative_tokens = num_speculative_tokens
         self.controller = controller
         self.params = dict(params)
@@ -74,12 +100,17 @@ class SpeculativeConfig:
         module_name, class_name = METHODS[self.method].split(":")
         return getattr(importlib.import_module(module_name), class_name)
 
-    def options(self):
+    def options(self, device_type: str | None = None):
+        """The method's Options: the parameters given, over the measured setting for ``device_type``
+        (preset "machine", when no parameter of that setting is given), over the published defaults."""
         options_cls = importlib.import_module(METHODS[self.method].split(":")[0]).Options
         names = {f.name for f in dataclasses.fields(options_cls)}
         values = dict(self.params)
         if self.num_speculative_tokens is not None:
             values["num_speculative_tokens"] = self.num_speculative_tokens
+        measured = machine_defaults(self.method, device_type) if self.preset == "machine" else {}
+        if not set(measured) & set(values):
+            values = {**measured, **values}
         unknown = sorted(set(values) - names)
         if unknown:
             valid = ", ".join(sorted(names)) or "none"
@@ -92,7 +123,7 @@ class SpeculativeConfig:
     def key(self) -> tuple:
         """A hashable identity of the drafter (drafters are cached by it; the controller setting is not
         part of it); list values such as tree choices become tuples."""
-        return (self.method, self.num_speculative_tokens, _frozen(sorted(self.params.items(), key=str)))
+        return (self.method, self.num_speculative_tokens, self.preset, _frozen(sorted(self.params.items(), key=str)))
 
     @property
     def controlled(self) -> bool:
@@ -104,6 +135,7 @@ class SpeculativeConfig:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
         k = f", num_speculative_tokens={self.num_speculative_tokens}" if self.num_speculative_tokens else ""
         c = f", controller={self.controller}" if self.controller is not None else ""
+        c += f", preset={self.preset!r}" if self.preset != "machine" else ""
         return f"SpeculativeConfig(method={self.method!r}{k}{c}{extra})"
 
     def all_params(self) -> dict[str, Any]:
@@ -111,6 +143,8 @@ class SpeculativeConfig:
         extra = {} if self.num_speculative_tokens is None else {"num_speculative_tokens": self.num_speculative_tokens}
         if self.controller is not None:
             extra["controller"] = self.controller
+        if self.preset != "machine":
+            extra["preset"] = self.preset
         return {**extra, **self.params}
 
     # ------------------------------------------------------------------ config files
@@ -171,7 +205,8 @@ class SpeculativeConfig:
                 merged = {**method.params, **params}
                 k = merged.pop("num_speculative_tokens", method.num_speculative_tokens)
                 controller = merged.pop("controller", method.controller)
-                config = cls(method.method, k, controller, **merged)
+                preset = merged.pop("preset", method.preset)
+                config = cls(method.method, k, controller, preset, **merged)
                 config.metadata = dict(method.metadata)
                 return config
             return method
@@ -179,4 +214,5 @@ class SpeculativeConfig:
             raise InvalidInputError(f"method must be a name or a SpeculativeConfig, got {type(method).__name__}")
         k = params.pop("num_speculative_tokens", None)
         controller = params.pop("controller", None)
-        return cls(method, k, controller, **params)
+        preset = params.pop("preset", "machine")
+        return cls(method, k, controller, preset, **params)
