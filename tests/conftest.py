@@ -12,6 +12,18 @@ os.environ.setdefault("SPECULUM_DTYPE_MEASURE", "0")
 from tiny_models import tiny_model, word_tokenizer
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cost_cache(tmp_path_factory):
+    """Measured cost models (speculum.costs) go to a temporary directory, not the user's cache."""
+    import speculum.costs
+
+    path = tmp_path_factory.mktemp("costs")
+    original = speculum.costs.cache_dir
+    speculum.costs.cache_dir = lambda: path
+    yield path
+    speculum.costs.cache_dir = original
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Llama and its word tokenizer saved as a model directory (what load() reads)."""

@@ -214,3 +214,38 @@ def test_with_sampled_nodes_a_node_is_kept_on_what_was_known_before_it_was_sampl
     promising = Controller(CostModel(list(steep))).plan(Draft([5, 6], [-1, 0], scores=[0.55, 0.99]), 10).keep
     hopeless = Controller(CostModel(list(steep))).plan(Draft([5, 6], [-1, 0], scores=[0.55, 0.01]), 10).keep
     assert promising[0] and not hopeless[0]
+
+
+def test_measured_cost_model_is_cached_per_setting_and_remeasured_when_unreadable(_cost_cache):
+    from speculum.costs import machine_key, measured_cost_model
+
+    model = tiny_model("llama")  # a vocabulary far smaller than the default probe context's ids
+    runner = ModelRunner(model)
+    measured = measured_cost_model(runner)
+    assert [n for n, _ in measured.points][:3] == [1, 2, 4] and all(t > 0 for _, t in measured.points)
+    path = _cost_cache / f"{machine_key(runner)}.json"
+    assert path.exists()
+    assert measured_cost_model(runner).points == measured.points  # read back, not measured again
+    path.write_text("{not json")
+    again = measured_cost_model(runner)  # an unreadable file is measured again, never an error
+    assert len(again.points) == len(measured.points)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        assert machine_key(runner) != path.stem  # another thread count never reuses the curve
+    finally:
+        torch.set_num_threads(threads)
+    assert machine_key(ModelRunner(tiny_model("llama").to(torch.float64))) != path.stem  # nor another dtype
+
+
+def test_cost_model_observes_forwards_per_size_bucket():
+    cost = CostModel([(1, 0.010), (8, 0.020)])
+    for _ in range(50):
+        cost.observe(2, 0.022)  # this machine got slower for small trees
+    assert cost(2) == pytest.approx(0.022, rel=0.05)
+    # size 1 was never observed: it takes the nearest observed bucket's factor (load moves sizes together)
+    assert cost(1) == pytest.approx(0.010 * cost(2) / cost.base(2))
+    cost.observe(1, 0.010)
+    assert cost(1) < 0.019 and cost(2) == pytest.approx(0.022, rel=0.05)  # each bucket keeps its own
+    restored = CostModel.from_dict(cost.to_dict())
+    assert restored.points == cost.points

@@ -159,6 +159,17 @@ def test_chat_streamed_equals_whole_equals_generate(client, spec):
     assert final["num_spec_steps"] == expected.stats.target_forwards
 
 
+def test_auto_reports_which_drafter_was_accepted_and_the_controller_rounds(client, spec):
+    prompt = words(repetitive_prompt(20, 6, seed=7))
+    extra = {"speculative_config": {"method": "auto", "controller": True}}
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, extra_body=extra)
+    assert whole.choices[0].text == spec.generate(prompt, "autoregressive", max_new_tokens=24).text
+    speculation = whole.speculation
+    assert speculation["method"] == "auto"
+    assert sum(speculation["accepted_by"].values()) == speculation["num_accepted_tokens"] > 0
+    assert speculation["rounds_drafted"] + speculation["rounds_plain"] == speculation["num_spec_steps"]
+
+
 def test_request_picks_method_and_sampling(client, spec):
     prompt = words(repetitive_prompt(20, 6, seed=5))
     sampling = dict(temperature=0.9, top_p=0.95, seed=11)

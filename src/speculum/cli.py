@@ -175,6 +175,9 @@ def print_stats(result, config, dtype_choice=None) -> None:
                 f"{s.predicted_tokens_per_second:.2f} / {s.drafted_tokens_per_second:.2f} (rounds that drafted)",
             ),
         ]
+    if s.accepted_by:
+        by = sorted(s.accepted_by.items(), key=lambda kv: -kv[1])
+        rows.append(("accepted tokens by drafter", ", ".join(f"{name} {count}" for name, count in by)))
     for name, value in rows:
         table.add_row(name, value)
     err.print(table)

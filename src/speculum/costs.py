@@ -204,7 +204,8 @@ def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     if prefix_ids is None:  # a typical chat-length context: costs grow a little with the cache
-        prefix_ids = [i % 1000 + 10 for i in range(256)]
+        vocab = runner.model.get_input_embeddings().num_embeddings
+        prefix_ids = [(i * 7919 + 10) % vocab for i in range(256)]
     start = time.perf_counter()
     model = CostModel.measure(runner, prefix_ids)
     log.info(

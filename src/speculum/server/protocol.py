@@ -138,6 +138,16 @@ def speculation_stats(method: str, stats: Stats, *, time_to_first_token: float |
         "time_to_first_token": None if time_to_first_token is None else round(time_to_first_token, 4),
         "queue_time": round(queue_time, 4),
         "generation_time": round(stats.wall_time, 4),
+        **({"accepted_by": dict(stats.accepted_by)} if stats.accepted_by else {}),
+        **(
+            {
+                "rounds_drafted": stats.rounds_drafted,
+                "rounds_plain": stats.rounds_plain,
+                "nodes_pruned": stats.nodes_pruned,
+            }
+            if stats.rounds_drafted or stats.rounds_plain
+            else {}
+        ),
     }
 
 
