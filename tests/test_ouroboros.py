@@ -142,6 +142,26 @@ def test_forget_drops_the_drafter_and_the_pools_no_other_drafter_uses(pair):
     assert again is not a and again.pool is not a.pool and len(again.pool) == 0  # starts afresh
 
 
+def test_pools_per_config_keeps_each_configuration_apart(pair):
+    """Benchmarks compare settings on the same prompts: one must not read the phrases another harvested."""
+    model, draft = pair
+    spec = speculum.Speculum(model, word_tokenizer(), draft, word_tokenizer())
+    spec.pools_per_config = True
+    prompt = repetitive_prompt(24, 5, 0)
+    plain = spec.generate(prompt, max_new_tokens=24)
+    first = spec.generate(prompt, "ouroboros", max_new_tokens=24, **SMALL)
+    a = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL))
+    b = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL, num_phrase_candidates=1))
+    assert len(a.pool) > 0 and b.pool is not a.pool and len(b.pool) == 0
+    assert first.token_ids == plain.token_ids
+    assert spec.generate(prompt, "ouroboros", max_new_tokens=24, **SMALL, num_phrase_candidates=1).token_ids == (
+        plain.token_ids
+    )
+    assert spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL)).pool is a.pool  # its own, kept
+    spec.forget(speculum.SpeculativeConfig("ouroboros", **SMALL))
+    assert a.pool not in list(spec._shared.values()) and b.pool in list(spec._shared.values())
+
+
 def test_ouroboros_sampling_runs_and_is_seeded(pair):
     model, draft = pair
     prompt = repetitive_prompt(20, 4, 1)

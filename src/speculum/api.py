@@ -64,6 +64,9 @@ class Speculum:
         self.runner = ModelRunner(model)
         self._drafters: dict[tuple, Any] = {}
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
+        # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
+        # prompts need this: a second Ouroboros setting would otherwise reuse the first one's phrases)
+        self.pools_per_config = False
         self._shared_uses: dict[tuple, set] = {}  # drafter key -> the keys of _shared that drafter used
         self._controllers: dict[tuple, Controller] = {}  # drafter key -> its controller (what it learned)
         self._cost_model: CostModel | None = None
@@ -116,7 +119,8 @@ class Speculum:
         key = config.key()
         if key not in self._drafters:
             used = self._shared_uses[key] = set()
-            resources = replace(self.resources(), shared=_SharedView(self._shared, used))
+            namespace = key if self.pools_per_config else None
+            resources = replace(self.resources(), shared=_SharedView(self._shared, used, namespace))
             try:
                 self._drafters[key] = config.drafter_class()(config.options(self.device_type), resources)
             except BaseException:
@@ -241,26 +245,32 @@ class _SharedView(MutableMapping):
     """``Speculum._shared`` as one drafter sees it: records the keys the drafter reads or sets, so that
     ``Speculum.forget`` knows which shared objects are still in use."""
 
-    def __init__(self, shared: dict, used: set):
+    def __init__(self, shared: dict, used: set, namespace: tuple | None = None):
         self._shared = shared
         self._used = used
+        self._namespace = namespace  # set: this drafter's own pools, apart from other configurations'
+
+    def _key(self, key):
+        return key if self._namespace is None else (self._namespace, key)
 
     def __getitem__(self, key):
-        self._used.add(key)
-        return self._shared[key]
+        self._used.add(self._key(key))
+        return self._shared[self._key(key)]
 
     def __setitem__(self, key, value) -> None:
-        self._used.add(key)
-        self._shared[key] = value
+        self._used.add(self._key(key))
+        self._shared[self._key(key)] = value
 
     def __delitem__(self, key) -> None:
-        del self._shared[key]
+        del self._shared[self._key(key)]
 
     def __iter__(self):
-        return iter(self._shared)
+        if self._namespace is None:
+            return iter(self._shared)
+        return (k[1] for k in self._shared if isinstance(k, tuple) and len(k) == 2 and k[0] == self._namespace)
 
     def __len__(self) -> int:
-        return len(self._shared)
+        return sum(1 for _ in self)
 
 
 class IncrementalText:

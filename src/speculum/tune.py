@@ -283,11 +283,14 @@ def tune(
 
 def confirm_timing(spec, method, chosen, fixed, prompts: list[TunePrompt], max_new_tokens: int) -> dict[str, float]:
     """Tokens/s of plain decoding, the method's defaults and the chosen parameters, interleaved per prompt."""
+    # "defaults" are the published ones the search starts from; each setting keeps its own pools, so
+    # that one never reads phrases another harvested from the same prompt's output
     runs = {
         "autoregressive": SpeculativeConfig("autoregressive"),
-        "defaults": SpeculativeConfig.coerce(method, **fixed),
+        "defaults": SpeculativeConfig.coerce(method, **{"preset": "paper", **fixed}),
         "tuned": SpeculativeConfig.coerce(method, **chosen),
     }
+    spec.pools_per_config = True
     times = dict.fromkeys(runs, 0.0)
     tokens = dict.fromkeys(runs, 0)
     labels = list(runs)

@@ -117,6 +117,7 @@ def bench(
         if device is not None:
             kwargs["device"] = device
         spec = speculum.load(model, **kwargs)
+        spec.pools_per_config = True  # methods compared on the same prompts never share a pool
     except SpeculumError as e:
         _fail(str(e))
     meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
