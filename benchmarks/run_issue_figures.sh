@@ -116,3 +116,34 @@ speculum bench --model gemma-3-270m --dtype float32 --threads 2 --dataset mt_ben
 python benchmarks/head_drafters_report.py $OUT/gemma-issue9-fp32-12 --out benchmarks/results/head-drafters-gemma-fp32.md
 speculum bench --model gemma-3-270m --threads 2 --dataset mt_bench,gsm8k,humaneval --limit 5 --max-new-tokens 128 \
   --methods "autoregressive,medusa,ctc" --out $OUT/gemma-issue9-bf16-12
+
+# Issue #17 (review mends): the heads again on aligned data (greedy and T=1; the paper head from the
+# same data), the recipe sweep, the tuning front (h chosen there: 0.3), the timed greedy and T=1 runs,
+# Figure 4 from the greedy run's references, then Ouroboros re-tuned with exact replay and its studies.
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --regenerate --out $OUT/heads/qwen-0.5b-early
+python benchmarks/ship_acceptance_head.py $OUT/heads/qwen-0.5b-early qwen2.5-coder-0.5b
+mkdir -p $OUT/heads/qwen-0.5b-paper && cp $OUT/heads/qwen-0.5b-early/acceptance_data.safetensors $OUT/heads/qwen-0.5b-paper/
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --out $OUT/heads/qwen-0.5b-paper \
+  --no-early --no-confidence-input --epochs 2 --lr 1e-4
+python benchmarks/acceptance_head_sweep.py $OUT/heads/qwen-0.5b-early/acceptance_data.safetensors \
+  --lr 1e-3,1e-4,3e-5 --epochs 3 --out benchmarks/results/acceptance-head-sweep.md
+speculum train acceptance-head --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --temperature 1 --threads 2 \
+  --regenerate --out $OUT/heads/qwen-0.5b-t1
+python benchmarks/ship_acceptance_head.py $OUT/heads/qwen-0.5b-t1 qwen2.5-coder-0.5b-t1
+HEADS="--head paper=$OUT/heads/qwen-0.5b-paper --head early=src/speculum/data/heads/qwen2.5-coder-0.5b"
+python benchmarks/specdecpp_front.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b $HEADS \
+  --datasets humaneval,gsm8k,mt_bench,wmt16 --first 5 --limit 3 --cost --out benchmarks/results/specdecpp-tune-front.md
+M="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2"
+DM="draft_model:length_policy=fixed,num_speculative_tokens=2,draft_model:length_policy=fixed,num_speculative_tokens=4,draft_model:length_policy=confidence,confidence_threshold=0.8,num_speculative_tokens=20"
+speculum bench $M --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128 --out $OUT/qwen-issue17 \
+  --methods "autoregressive,hf_assisted,$DM,draft_model:length_policy=specdecpp,stop_threshold=0.3"
+speculum bench $M --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 64 --temperature 1 --seed 0 \
+  --out $OUT/qwen-issue17-t1 --methods "autoregressive,hf_assisted,$DM,draft_model:length_policy=specdecpp,stop_threshold=0.5"
+speculum tune --method ouroboros $M --dataset mbpp --limit 5 --max-new-tokens 64 --sweeps 2 \
+  --out benchmarks/results/ouroboros-qwen-tuned.json | tee benchmarks/results/ouroboros-qwen-tune.log
+python benchmarks/specdecpp_front.py $M $HEADS --records $OUT/qwen-issue17 --cost \
+  --out benchmarks/results/specdecpp-front.md --plot benchmarks/plots/specdecpp_front.png
+speculum bench $M --dataset mbpp --limit 4 --max-new-tokens 64 --methods autoregressive --out $OUT/mbpp-plain
+python benchmarks/ouroboros_studies.py $OUT/qwen-issue17 --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --config benchmarks/results/ouroboros-qwen-tuned.json --warm-records $OUT/mbpp-plain --max-new-tokens 64 \
+  --out benchmarks/results/ouroboros-studies.md --plot benchmarks/plots/ouroboros_studies.png
