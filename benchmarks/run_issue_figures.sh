@@ -147,3 +147,4 @@ speculum bench $M --dataset mbpp --limit 4 --max-new-tokens 64 --methods autoreg
 python benchmarks/ouroboros_studies.py $OUT/qwen-issue17 --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
   --config benchmarks/results/ouroboros-qwen-tuned.json --warm-records $OUT/mbpp-plain --max-new-tokens 64 \
   --out benchmarks/results/ouroboros-studies.md --plot benchmarks/plots/ouroboros_studies.png
+python benchmarks/confirm_ouroboros_tuned.py
