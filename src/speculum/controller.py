@@ -10,7 +10,10 @@ decoding:
   asking stops paying, it takes plain rounds (a plain round costs what plain decoding does: the
   drafter is not called), and asks again after a back-off of 1, 2, 4, ... rounds, at most
   ``max_backoff``: a drafter that becomes good again is noticed within that many rounds, and one
-  that stays bad costs one probe per ``max_backoff`` rounds. Control is on goodput, not on
+  that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds.
+  Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
+  than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
+  to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on
   acceptance: acceptance can stay high while speculation stops paying.
 - **What to verify.** Each draft node gets an estimate of P(accepted | its parent accepted) from
   what its drafter says of it (``Draft.scores``: the draft's probability, n-gram agreement, a
@@ -87,10 +90,27 @@ class Controller:
     by every verification forward.
     """
 
-    def __init__(self, cost: CostModel, *, max_backoff: int = 32, smoothing: float = 0.3, margin: float = 0.0):
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        max_backoff: int = 32,
+        smoothing: float = 0.3,
+        goodput_smoothing: float = 0.15,
+        min_evidence: int = 3,
+        negligible: float = 0.05,
+        margin: float = 0.0,
+    ):
         self.cost = cost
         self.max_backoff = max_backoff
-        self.smoothing = smoothing  # weight of the newest round in the goodput averages
+        self.smoothing = smoothing  # weight of the newest round in the size and expectation averages
+        # weight of the newest round in the goodput of asking: acceptance comes in bursts, so one
+        # round says little; ~7 rounds of memory, and never a verdict on fewer than min_evidence
+        self.goodput_smoothing = goodput_smoothing
+        self.min_evidence = min_evidence
+        # an asked round that verified nothing and whose drafting cost less than this share of a
+        # plain step is a plain round in all but name: it is not held against the drafter
+        self.negligible = negligible
         self.margin = margin  # asking must beat a plain step by this share to keep asking
         self.calibration = Calibration()
         # committed tokens and seconds per round of the rounds that asked the drafter (moving averages:
@@ -101,6 +121,7 @@ class Controller:
         self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
         self._backoff = 1
         self._plain_left = 0
+        self._evidence = 0  # asked rounds judged since the last probe
         self.probing = False
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
@@ -208,9 +229,10 @@ class Controller:
         committed: int,
         forward_seconds: float,
         round_seconds: float,
+        draft_seconds: float = 0.0,
     ) -> None:
         """What the round cost and gave: calibration from the verified nodes, the cost model from the
-        forward, goodput from the whole round (drafting included)."""
+        forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included)."""
         self.cost.observe(len(tree), forward_seconds)
         overhead = max(0.0, round_seconds - forward_seconds)
         if not asked:
@@ -218,14 +240,23 @@ class Controller:
             self.plain_round = round_seconds if self.plain_round is None else (
                 self.plain_round + self.smoothing * (round_seconds - self.plain_round))  # fmt: skip
             return
+        if len(tree) == 1 and draft_seconds < self.negligible / self.plain_rate():
+            return  # nothing verified, next to nothing spent: neither evidence for asking nor against it
         if draft is not None and len(tree) > 1:
             self._calibrate(tree, path, draft)
         if self.probing or self.asked_tokens is None:
-            self.asked_tokens, self.asked_seconds = committed, round_seconds  # fresh evidence of how it does now
+            # fresh evidence of how asking does now, averaged evenly over the first rounds
+            self.asked_tokens, self.asked_seconds, self._evidence = committed, round_seconds, 1
+        elif self._evidence < self.min_evidence:
+            self._evidence += 1
+            self.asked_tokens += (committed - self.asked_tokens) / self._evidence
+            self.asked_seconds += (round_seconds - self.asked_seconds) / self._evidence
         else:
-            self.asked_tokens += self.smoothing * (committed - self.asked_tokens)
-            self.asked_seconds += self.smoothing * (round_seconds - self.asked_seconds)
+            self.asked_tokens += self.goodput_smoothing * (committed - self.asked_tokens)
+            self.asked_seconds += self.goodput_smoothing * (round_seconds - self.asked_seconds)
         self.probing = False
+        if self._evidence < self.min_evidence:
+            return  # too few rounds to judge: acceptance comes in bursts
         if self.asked_rate < self.plain_rate() * (1.0 + self.margin):
             self._plain_left = self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff)

@@ -141,6 +141,7 @@ def _steps(
                     committed=len(new),
                     forward_seconds=t2 - tc,
                     round_seconds=t4 - t0,
+                    draft_seconds=(t1 - t0) + (t4 - t3),
                 )
                 if asked:
                     stats.rounds_drafted += 1

@@ -127,8 +127,10 @@ class SpeculativeConfig:
 
     @property
     def controlled(self) -> bool:
-        """Whether the controller runs for this config (never for plain decoding: nothing to decide)."""
-        wanted = DEFAULT_CONTROLLER if self.controller is None else self.controller
+        """Whether the controller runs for this config (never for plain decoding: nothing to decide;
+        always for ``auto`` unless turned off: choosing what pays is what ``auto`` is)."""
+        default = True if self.method == "auto" else DEFAULT_CONTROLLER
+        wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
 
     def __repr__(self) -> str:

@@ -111,7 +111,24 @@ def method_row(records: list[dict], baseline_records: list[dict] | None) -> dict
         "time_other_pct": None,
         "identical": None,
         "compared": 0,
+        "rounds_plain_pct": None,
+        "control_pct": None,
+        "nodes_verified": None,
+        "accepted_by": None,
     }
+    rounds = _sum(records, "rounds_drafted") + _sum(records, "rounds_plain")
+    if rounds > 0:  # the controller was on: how often it chose a plain step, what deciding cost
+        row["rounds_plain_pct"] = 100.0 * _sum(records, "rounds_plain") / rounds
+        row["control_pct"] = 100.0 * _sum(records, "time_control") / max(_sum(records, "wall_time"), 1e-9)
+    sizes = [n for r in records for n in (r.get("draft_sizes") or [])]
+    if sizes:
+        row["nodes_verified"] = sum(sizes) / len(sizes)
+    by: dict[str, int] = {}
+    for r in records:
+        for name, count in (r.get("accepted_by") or {}).items():
+            by[name] = by.get(name, 0) + count
+    if by:
+        row["accepted_by"] = by
     steps = accepted = 0
     for r in records:
         if r.get("accept_lengths"):  # the engine's own steps (the prefill's token is not a step)
@@ -278,9 +295,25 @@ def to_markdown(summary: dict[str, Any]) -> str:
         lines.append("")
         lines.extend(_table(rows, baseline))
         lines.append("")
+    overall = summary["groups"].get(OVERALL, {})
+    controlled = {m: r for m, r in overall.items() if r.get("rounds_plain_pct") is not None or r.get("accepted_by")}
+    if controlled:
+        lines.append("## Controller (all prompts)")
+        lines.append("")
+        lines.append(
+            "| method | plain rounds % | controller time % of wall | draft nodes verified per forward "
+            "| accepted draft tokens by drafter |"
+        )
+        lines.append("|---|---:|---:|---:|---|")
+        for m, r in controlled.items():
+            by = ", ".join(f"{k} {v}" for k, v in sorted((r.get("accepted_by") or {}).items(), key=lambda kv: -kv[1]))
+            lines.append(
+                f"| `{m}` | {_f(r.get('rounds_plain_pct'), '.0f')} | {_f(r.get('control_pct'), '.2f')} "
+                f"| {_f(r.get('nodes_verified'), '.1f')} | {by or '–'} |"
+            )
+        lines.append("")
     lines.append("## Losslessness")
     lines.append("")
-    overall = summary["groups"].get(OVERALL, {})
     if meta.get("check_lossless") and baseline:
         for m, r in overall.items():
             if m == baseline or r["identical"] is None:

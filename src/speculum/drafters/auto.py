@@ -7,7 +7,8 @@ left out (its Jacobi window needs the target's output at every node it proposes,
 composed tree does not promise), and so is Ouroboros (its draft model and its phrases are what
 ``draft_model`` and the n-gram drafters bring here).
 
-Each round the cheap drafters propose; the draft model proposes only while the rounds that ran it
+Each round the cheap drafters propose; the costly ones (the draft model, heads: each runs model
+layers and an output layer as wide as the vocabulary) propose only while the rounds that ran them
 have paid more per second than the rounds that did not (measured goodput, explored again after a
 back-off of 1, 2, 4, ... rounds, as the controller does for drafting at all). The proposals are
 merged into one draft: identical deterministic branches become one node (the first drafter listed
@@ -34,7 +35,9 @@ from speculum.errors import InvalidInputError, SpeculumError
 __all__ = ["AutoDrafter", "Options"]
 
 CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model")
-MODEL_DRAFTERS = ("draft_model",)  # the ones whose drafting costs model forwards: run when they pay
+# the ones whose drafting costs model forwards (a draft model; heads over the target's hidden state,
+# each with an output layer as wide as the vocabulary): run while they pay
+MODEL_DRAFTERS = ("medusa", "ctc", "draft_model")
 
 
 @dataclass
@@ -87,19 +90,29 @@ class _Part:
 
 
 class _Goodput:
-    """Committed tokens and seconds per round, as moving averages (their ratio is the goodput)."""
+    """Committed tokens and seconds per round, averaged evenly over the first ``min_evidence`` rounds
+    of a fresh start and as moving averages after (their ratio is the goodput)."""
 
-    def __init__(self, smoothing: float = 0.3):
+    def __init__(self, smoothing: float = 0.15, min_evidence: int = 3):
         self.smoothing = smoothing
+        self.min_evidence = min_evidence
         self.tokens: float | None = None
         self.seconds = 0.0
+        self.rounds = 0  # since the last fresh start
 
     def add(self, tokens: int, seconds: float, fresh: bool = False) -> None:
         if fresh or self.tokens is None:
-            self.tokens, self.seconds = float(tokens), seconds
-        else:
-            self.tokens += self.smoothing * (tokens - self.tokens)
-            self.seconds += self.smoothing * (seconds - self.seconds)
+            self.tokens, self.seconds, self.rounds = float(tokens), seconds, 1
+            return
+        self.rounds += 1
+        weight = 1.0 / self.rounds if self.rounds <= self.min_evidence else self.smoothing
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+
+    @property
+    def judged(self) -> bool:
+        """Enough rounds since the fresh start for a verdict (acceptance comes in bursts)."""
+        return self.rounds >= self.min_evidence
 
     @property
     def rate(self) -> float | None:
@@ -107,9 +120,10 @@ class _Goodput:
 
 
 class ModelGate:
-    """Whether to run the draft model this round: while rounds with it pay more per second than rounds
-    without it; after it stops paying it is tried again after 1, 2, 4, ... ``max_backoff`` rounds.
-    While it runs, one round in ``refresh`` goes without it, to keep that side's measure fresh."""
+    """Whether to run the costly drafters (a draft model, heads) this round: while rounds with them pay
+    more per second than rounds without them; after they stop paying they are tried again after 1,
+    2, 4, ... ``max_backoff`` rounds, for a probe of a few rounds. While they run, one round in
+    ``refresh`` goes without them, to keep that side's measure fresh."""
 
     def __init__(self, max_backoff: int = 32, refresh: int = 16):
         self.max_backoff = max_backoff
@@ -132,6 +146,8 @@ class ModelGate:
         self.with_model.add(tokens, seconds, fresh=self._probe)
         self._probe = False
         cheap = self.without_model.rate
+        if not self.with_model.judged:
+            return
         if cheap is not None and self.with_model.rate < cheap:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, self.max_backoff)
             self._since_refresh = 0
@@ -139,7 +155,7 @@ class ModelGate:
         self._backoff = 1
         self._since_refresh += 1
         if cheap is None or self._since_refresh >= self.refresh:
-            self._skip, self._since_refresh = 1, 0  # one round without it: measure that side (again)
+            self._skip, self._since_refresh = 1, 0  # one round without them: measure that side (again)
 
 
 class AutoDrafter(Drafter):
@@ -155,7 +171,7 @@ class AutoDrafter(Drafter):
         self.parts: list[_Part] = []
         skipped = []
         for name in options.names():
-            if name in MODEL_DRAFTERS and resources.draft_model is None:
+            if name == "draft_model" and resources.draft_model is None:
                 if explicit:
                     raise InvalidInputError(f"auto: {name} needs a draft model: load(..., draft=...)")
                 continue
