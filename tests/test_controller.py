@@ -85,6 +85,19 @@ def test_calibration_learns_what_the_target_accepts():
     assert cal.estimate(None, 2) > 0.9 and cal.estimate(None, 3) == pytest.approx(0.5)
 
 
+def test_calibration_tells_a_first_guess_from_the_rest_of_a_copied_phrase():
+    # an n-gram drafter's first token is a guess (30% accepted), the ones after it follow a phrase the
+    # text already contains (90% accepted once the first is); both come with the same score
+    cal = Calibration()
+    rng = random.Random(0)
+    for _ in range(300):
+        cal.update(1.0, 1, accepted=rng.random() < 0.3)
+        cal.update(1.0, 2, accepted=rng.random() < 0.9)
+        cal.update(1.0, 5, accepted=rng.random() < 0.9)
+    assert cal.estimate(1.0, 1) < 0.45
+    assert cal.estimate(1.0, 2) > 0.8 and cal.estimate(1.0, 4) > 0.8
+
+
 def test_a_drafter_that_is_never_right_gets_plain_steps():
     controller = Controller(FLAT)
     asked = run_rounds(controller, 200, accepted_of=lambda i: 0)

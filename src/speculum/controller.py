@@ -39,6 +39,7 @@ from speculum.tree import Draft, TokenTree
 
 BINS = 10  # calibration bins over a drafter's score in [0, 1]
 DEPTH_BINS = 8  # for unscored nodes: one bin per depth, the last for everything deeper
+SCORED_DEPTH_BINS = 3  # for scored nodes: depth 1, 2, and 3 or deeper
 
 
 @dataclass
@@ -56,7 +57,10 @@ class Calibration:
     def _bin(score: float | None, depth: int, source: str) -> tuple:
         if score is None:
             return (source, "depth", min(depth, DEPTH_BINS))
-        return (source, "score", min(BINS - 1, int(max(0.0, min(1.0, score)) * BINS)))
+        # scored nodes are binned by depth too (1, 2, 3 and deeper): given its parent was accepted, a
+        # deep node of a copied phrase is accepted far more often than a first one with the same score
+        score_bin = min(BINS - 1, int(max(0.0, min(1.0, score)) * BINS))
+        return (source, "score", score_bin, min(depth, SCORED_DEPTH_BINS))
 
     def estimate(self, score: float | None, depth: int, source: str = "") -> float:
         key = self._bin(score, depth, source)
@@ -99,7 +103,7 @@ class Controller:
         goodput_smoothing: float = 0.15,
         min_evidence: int = 3,
         negligible: float = 0.05,
-        margin: float = 0.0,
+        margin: float = 0.03,
     ):
         self.cost = cost
         self.max_backoff = max_backoff
@@ -111,7 +115,9 @@ class Controller:
         # an asked round that verified nothing and whose drafting cost less than this share of a
         # plain step is a plain round in all but name: it is not held against the drafter
         self.negligible = negligible
-        self.margin = margin  # asking must beat a plain step by this share to keep asking
+        # asking must beat a plain step by this share to keep asking: a goodput average that hovers at
+        # break-even is above it half the time by chance, and asking then loses what drafting costs
+        self.margin = margin
         self.calibration = Calibration()
         # committed tokens and seconds per round of the rounds that asked the drafter (moving averages:
         # their ratio is the goodput of asking)

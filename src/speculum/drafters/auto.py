@@ -125,9 +125,10 @@ class ModelGate:
     2, 4, ... ``max_backoff`` rounds, for a probe of a few rounds. While they run, one round in
     ``refresh`` goes without them, to keep that side's measure fresh."""
 
-    def __init__(self, max_backoff: int = 32, refresh: int = 16):
+    def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03):
         self.max_backoff = max_backoff
         self.refresh = refresh
+        self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
         self.with_model, self.without_model = _Goodput(), _Goodput()
         self._backoff, self._skip, self._probe = 1, 0, False
         self._since_refresh = 0
@@ -148,7 +149,7 @@ class ModelGate:
         cheap = self.without_model.rate
         if not self.with_model.judged:
             return
-        if cheap is not None and self.with_model.rate < cheap:
+        if cheap is not None and self.with_model.rate < cheap * (1.0 + self.margin):
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, self.max_backoff)
             self._since_refresh = 0
             return
