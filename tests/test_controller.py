@@ -294,3 +294,12 @@ def test_cost_model_observes_forwards_per_size_bucket():
     assert cost(1) < 0.019 and cost(2) == pytest.approx(0.022, rel=0.05)  # each bucket keeps its own
     restored = CostModel.from_dict(cost.to_dict())
     assert restored.points == cost.points
+
+
+def test_a_slow_sample_never_makes_a_smaller_forward_dearer_than_a_bigger_one():
+    # measured on a busy machine: t(4) caught a moment when another process had the core
+    cost = CostModel([(1, 0.042), (2, 0.053), (4, 0.086), (8, 0.052), (16, 0.106)])
+    assert [t for _, t in cost.points] == [0.042, 0.052, 0.052, 0.052, 0.106]
+    assert all(cost(n) <= cost(n + 1) for n in range(1, 20))
+    draft = chain_draft(6, 0.9)
+    assert sum(Controller(cost).plan(draft, 10).keep) >= 4  # 4-7 nodes cost what 2 do: keep them

@@ -49,6 +49,16 @@ class CostModel:
     smoothing: float = 0.1  # weight of each new online sample
     correction: dict[int, float] = field(default_factory=dict)  # size bucket -> measured / base
 
+    def __post_init__(self) -> None:
+        # A bigger forward never costs less, so a point above a larger size's is noise (another process
+        # took the core for a moment: noise on a timing is always upward): lower it to that one.
+        # Without this, one slow sample at t(4) made 4 nodes look dearer than 8, and the controller
+        # pruned every draft to 2 nodes.
+        envelope: list[tuple[int, float]] = []
+        for n, t in sorted(self.points, reverse=True):
+            envelope.append((n, t if not envelope else min(t, envelope[-1][1])))
+        self.points = envelope[::-1]
+
     def base(self, n: int) -> float:
         pts = self.points
         if n <= pts[0][0]:
