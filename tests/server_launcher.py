@@ -1,6 +1,6 @@
 """A real ``speculum serve`` process on a tiny model, for the server tests.
 
-``python server_launcher.py [--method M] [--param k=v] [--api-key K] ...`` builds the tiny Llama
+``python server_launcher.py [--method M] [--params JSON] [--api-key K] ...`` builds the tiny Llama
 (and a perturbed copy as its draft) from tiny_models, binds a free loopback port, prints it on
 stdout and serves until SIGTERM. ``running_server(...)`` starts one from a test and stops it.
 """

@@ -303,3 +303,32 @@ def test_a_slow_sample_never_makes_a_smaller_forward_dearer_than_a_bigger_one():
     assert all(cost(n) <= cost(n + 1) for n in range(1, 20))
     draft = chain_draft(6, 0.9)
     assert sum(Controller(cost).plan(draft, 10).keep) >= 4  # 4-7 nodes cost what 2 do: keep them
+
+
+def test_on_by_default_but_off_for_the_published_settings_and_seeded_sampling():
+    """The controller decides on measured times, so a seed would no longer pin a sampled text: a
+    seeded sampled request runs a named method without it unless asked (``auto`` always has it)."""
+    from speculum.methods import SpeculativeConfig
+
+    assert SpeculativeConfig("anpd").controlled()
+    assert not SpeculativeConfig("anpd", preset="paper").controlled()
+    assert not SpeculativeConfig("autoregressive", controller=True).controlled()
+    assert not SpeculativeConfig("anpd").controlled(seeded_sampling=True)
+    assert SpeculativeConfig("anpd", controller=True).controlled(seeded_sampling=True)
+    assert SpeculativeConfig("auto").controlled(seeded_sampling=True)
+
+
+def test_a_seed_gives_the_same_sampled_text_again():
+    import speculum
+
+    from tiny_models import word_tokenizer
+
+    target = tiny_model("llama")
+    spec = speculum.Speculum(target, word_tokenizer(), perturbed_copy(target), word_tokenizer())
+    prompt = " ".join(f"w{t}" for t in repetitive_prompt(20, 5, seed=4))
+    runs = [spec.generate(prompt, "draft_model", max_new_tokens=30, temperature=0.9, seed=7) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats.rounds_drafted == runs[0].stats.rounds_plain == 0  # no controller ran
+    unseeded = spec.generate(prompt, "draft_model", max_new_tokens=30, temperature=0.9)
+    assert unseeded.stats.rounds_drafted + unseeded.stats.rounds_plain > 0  # it did
+    assert spec.generate(prompt, max_new_tokens=4).method == "auto"  # the default method

@@ -33,16 +33,19 @@ def test_page_streams_coloured_tokens():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server
     try:
-        expected = spec.generate(prompt, "anpd", max_new_tokens=48)
+        expected = spec.generate(prompt, "anpd", max_new_tokens=48, controller=False)  # same rounds twice
         sources = []
-        for chunk in spec.generate(prompt, "anpd", max_new_tokens=48, stream=True):
+        for chunk in spec.generate(prompt, "anpd", max_new_tokens=48, stream=True, controller=False):
             drafted = chunk.num_draft_tokens
             sources += ["draft"] * drafted + ["target"] * (len(chunk.token_ids) - drafted)
     finally:
         torch.set_num_threads(threads)
     assert "draft" in sources and "target" in sources  # both colours are on the page
 
-    with running_server("--method", "anpd", "--api-key", "page-key") as server, sync_api.sync_playwright() as p:
+    with (
+        running_server("--method", "anpd", "--params", '{"controller": false}', "--api-key", "page-key") as server,
+        sync_api.sync_playwright() as p,
+    ):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
             # behind --api-key the browser logs in once (HTTP Basic, the key as password), as a user would

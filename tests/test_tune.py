@@ -48,7 +48,7 @@ def test_cost_model_measures_every_k(spec):
 def test_replay_with_a_real_draft_model_matches_a_real_run(spec, params):
     """Scoring replays the target but runs the draft for real: acceptance must equal a real run's."""
     ids = spec.encode_prompt(PROMPTS[0])
-    real = spec.generate(ids, "draft_model", max_new_tokens=20, **params)
+    real = spec.generate(ids, "draft_model", max_new_tokens=20, controller=False, **params)  # replay has none
     config = SpeculativeConfig.coerce("draft_model", **params)
     drafter = config.drafter_class()(config.options(), spec.resources())
     replayed = replay(ids, real.token_ids, drafter, spec.eos_token_ids)
@@ -63,7 +63,7 @@ def test_scoring_ouroboros_follows_a_real_run_over_prompts_sharing_a_pool(model_
     spec = speculum.load(model_dir, draft="self:1", dtype="float32")  # its phrase pool starts empty
     ids = [spec.encode_prompt(p) for p in PROMPTS]
     params = {"num_speculative_tokens": 3, "window_size": 2, "ngram_size": 3, "guess_set_size": 3}
-    real = [spec.generate(i, "ouroboros", max_new_tokens=20, **params).stats for i in ids]
+    real = [spec.generate(i, "ouroboros", max_new_tokens=20, controller=False, **params).stats for i in ids]
     prompts = prepare_prompts(spec, ids, 20)
     scored = ReplayScorer(spec, "ouroboros", prompts, CostModel([(1, 1e-3), (2, 2e-3)])).score(params)
     assert scored.trajectory == tuple((tuple(s.draft_sizes), tuple(s.accept_lengths), s.draft_forwards) for s in real)

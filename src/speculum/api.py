@@ -14,7 +14,7 @@ from speculum.controller import Controller
 from speculum.costs import CostModel, measured_cost_model
 from speculum.drafters.base import Resources
 from speculum.errors import InvalidInputError
-from speculum.methods import SpeculativeConfig
+from speculum.methods import DEFAULT_METHOD, SpeculativeConfig
 from speculum.models import eos_token_ids, vocab_fingerprint
 from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
@@ -73,7 +73,7 @@ class Speculum:
         self._vocab_key: str | None = None
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         # what generate() uses when no method is named: load(config=...) sets it
-        self.default_config = SpeculativeConfig("autoregressive")
+        self.default_config = SpeculativeConfig(DEFAULT_METHOD)  # what generate() runs when no method is named
 
     @property
     def vocab_size(self) -> int:
@@ -205,7 +205,8 @@ class Speculum:
             generator = torch.Generator(device=self.runner.output_device)
             generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         stats = Stats()
-        controller = self.controller_for(config) if config.controlled else None
+        seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
+        controller = self.controller_for(config) if config.controlled(seeded_sampling) else None
         steps = engine.run(
             self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats, controller
         )

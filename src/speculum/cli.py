@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from speculum.errors import SpeculumError
+from speculum.methods import DEFAULT_METHOD
 
 app = typer.Typer(
     add_completion=False,
@@ -50,7 +51,7 @@ def generate(
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")] = None,
     method: Annotated[
-        str | None, typer.Option(help="autoregressive, draft_model, prompt_lookup, anpd, ... [default: anpd]")
+        str | None, typer.Option(help="auto, autoregressive, draft_model, prompt_lookup, anpd, ... [default: auto]")
     ] = None,
     config: Annotated[
         str | None,
@@ -72,7 +73,7 @@ def generate(
         typer.Option(
             "--controller/--no-controller",
             help="Let the controller decide each round whether drafting pays and what to verify "
-            "(--no-controller: the method as published).",
+            "[default: on, off with preset=paper] (--no-controller: the method as published).",
         ),
     ] = None,  # fmt: skip
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
@@ -111,7 +112,7 @@ def generate(
             model = model or file_config.metadata.get("model")
             draft = draft or file_config.metadata.get("draft")
         else:
-            config = speculum.SpeculativeConfig.coerce(method or "anpd", **params)
+            config = speculum.SpeculativeConfig.coerce(method or DEFAULT_METHOD, **params)
         model = model or "gemma-3-270m"
         speculum.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if not prompt.strip():
@@ -562,7 +563,8 @@ def serve(
     ] = None,
     draft: Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")] = None,
     method: Annotated[
-        str | None, typer.Option(help="The method of requests that name none (each request may pick its own).")
+        str | None,
+        typer.Option(help="The method of requests that name none (each request may pick its own). [default: auto]"),
     ] = None,
     config: Annotated[str | None, typer.Option(help="A config file from `speculum tune --out`.")] = None,
     param: Annotated[
@@ -621,7 +623,7 @@ def serve(
             model = model or file_config.metadata.get("model")
             draft = draft or file_config.metadata.get("draft")
         else:
-            spec_config = speculum.SpeculativeConfig.coerce(method or "anpd", **params)
+            spec_config = speculum.SpeculativeConfig.coerce(method or DEFAULT_METHOD, **params)
         server_config(spec_config, share_pools)  # refuses persistent pools without --share-pools, before loading
         model = model or "gemma-3-270m"
         if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):

@@ -37,8 +37,13 @@ def _frozen(value: Any) -> Any:
 
 
 # Whether the controller (speculum.controller) runs when a config does not say: it decides each
-# round whether drafting pays on this machine and which draft nodes to verify.
-DEFAULT_CONTROLLER = False
+# round whether drafting pays on this machine and which draft nodes to verify. On by default since
+# issue #18's figures (BENCHMARKS.md): with it every method stayed >= 0.99x plain on every report
+# set where several ran at 0.66-0.92x without it. preset="paper" turns it off (the published method).
+DEFAULT_CONTROLLER = True
+
+# The method of generate(), `speculum generate` and `speculum serve` when none is named.
+DEFAULT_METHOD = "auto"
 
 # Defaults measured on a class of machine. A method's Options hold the published settings (the
 # "paper" preset); on a device listed here the "machine" preset (the default) replaces them with
@@ -70,8 +75,9 @@ class SpeculativeConfig:
 
     Parameters other than ``method``, ``num_speculative_tokens`` and ``controller`` are
     method-specific; unknown ones are refused with the list of valid names. ``controller``: let the
-    controller decide each round whether to draft and what to verify (None: ``DEFAULT_CONTROLLER``;
-    False: the method exactly as published, for ablations and reproductions).
+    controller decide each round whether to draft and what to verify (None: ``DEFAULT_CONTROLLER``,
+    off with ``preset="paper"``; False: the method exactly as published, for ablations and
+    reproductions).
     """
 
     def __init__(
@@ -125,11 +131,19 @@ class SpeculativeConfig:
         part of it); list values such as tree choices become tuples."""
         return (self.method, self.num_speculative_tokens, self.preset, _frozen(sorted(self.params.items(), key=str)))
 
-    @property
-    def controlled(self) -> bool:
+    def controlled(self, seeded_sampling: bool = False) -> bool:
         """Whether the controller runs for this config (never for plain decoding: nothing to decide;
-        always for ``auto`` unless turned off: choosing what pays is what ``auto`` is)."""
-        default = True if self.method == "auto" else DEFAULT_CONTROLLER
+        always for ``auto`` unless turned off: choosing what pays is what ``auto`` is).
+
+        The controller decides on measured times, so which rounds draft changes from run to run, and
+        with them how many random numbers sampling draws: the text stays exactly distributed but a
+        seed no longer pins it. A sampled request with a ``seed`` therefore runs a named method
+        without it unless ``controller=True`` is asked for (``auto`` cannot: it has nothing to run
+        without measuring)."""
+        if self.method == "auto":
+            default = True
+        else:  # the published settings are the published method: no controller unless asked for
+            default = DEFAULT_CONTROLLER and self.preset != "paper" and not seeded_sampling
         wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
 
