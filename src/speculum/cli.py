@@ -73,7 +73,8 @@ def generate(
         typer.Option(
             "--controller/--no-controller",
             help="Let the controller decide each round whether drafting pays and what to verify "
-            "[default: on, off with preset=paper] (--no-controller: the method as published).",
+            "[default: on; off for draft_model, ouroboros, preset=paper and seeded sampling] "
+            "(--no-controller: the method as published).",
         ),
     ] = None,  # fmt: skip
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,

@@ -38,9 +38,15 @@ def _frozen(value: Any) -> Any:
 
 # Whether the controller (speculum.controller) runs when a config does not say: it decides each
 # round whether drafting pays on this machine and which draft nodes to verify. On by default since
-# issue #18's figures (BENCHMARKS.md): with it every method stayed >= 0.99x plain on every report
-# set where several ran at 0.66-0.92x without it. preset="paper" turns it off (the published method).
+# issue #18's figures (BENCHMARKS.md): with it every n-gram, lookahead and head method stayed
+# >= 0.99x plain on every report set (Gemma 3 270M), where Medusa and CTC ran at 0.66-0.92x without
+# it. preset="paper" turns it off (the published method).
 DEFAULT_CONTROLLER = True
+# ... except for the draft-model methods, measured slower with it on the Qwen pair (bfloat16, 64
+# tokens): draft_model 1.56/1.45x -> 1.47/1.38x on HumanEval/GSM8K, ouroboros 1.60/1.61x ->
+# 1.52/1.47x. Their own length rule (the confidence stop; Ouroboros' phrases) already decides what
+# is worth verifying, and without the controller both stayed >= 0.99x plain on every set.
+UNCONTROLLED_BY_DEFAULT = frozenset({"draft_model", "ouroboros"})
 
 # The method of generate(), `speculum generate` and `speculum serve` when none is named.
 DEFAULT_METHOD = "auto"
@@ -143,7 +149,8 @@ class SpeculativeConfig:
         if self.method == "auto":
             default = True
         else:  # the published settings are the published method: no controller unless asked for
-            default = DEFAULT_CONTROLLER and self.preset != "paper" and not seeded_sampling
+            measured_better = self.method not in UNCONTROLLED_BY_DEFAULT
+            default = DEFAULT_CONTROLLER and measured_better and self.preset != "paper" and not seeded_sampling
         wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
 
