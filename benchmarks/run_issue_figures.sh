@@ -148,3 +148,21 @@ python benchmarks/ouroboros_studies.py $OUT/qwen-issue17 --model qwen2.5-coder-1
   --config benchmarks/results/ouroboros-qwen-tuned.json --warm-records $OUT/mbpp-plain --max-new-tokens 64 \
   --out benchmarks/results/ouroboros-studies.md --plot benchmarks/plots/ouroboros_studies.png
 python benchmarks/confirm_ouroboros_tuned.py
+
+# ---- issue #18: the controller, auto, machine defaults (Gemma 3 270M float32 and bfloat16, Qwen pair bfloat16)
+G="--model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5"
+GM="autoregressive,hf_generate,hf_prompt_lookup,anpd:controller=false,anpd:controller=true,prompt_lookup:controller=false,prompt_lookup:controller=true,lookahead:controller=false,lookahead:controller=true,medusa:controller=false,medusa:controller=true,ctc:controller=false,ctc:controller=true,auto"
+GB="autoregressive,hf_generate,anpd:controller=true,prompt_lookup:controller=true,lookahead:controller=true,medusa:controller=false,medusa:controller=true,ctc:controller=false,ctc:controller=true,auto"
+Q="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5"
+QM="autoregressive,hf_assisted,draft_model:controller=false,draft_model:controller=true,ouroboros:controller=false,ouroboros:controller=true,auto"
+speculum bench $G --dtype float32 --max-new-tokens 128 --out $OUT/i18/gemma-fp32-v2 --methods "$GM"
+speculum bench $Q --max-new-tokens 64 --out $OUT/i18/qwen-bf16-v2 --methods "$QM"
+# the defaults as shipped after it (draft_model and ouroboros without the controller)
+speculum bench $Q --max-new-tokens 64 --out $OUT/i18/qwen-bf16-v3 \
+  --methods "autoregressive,hf_assisted,draft_model,ouroboros,ouroboros:controller=true,anpd,auto"
+speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1 --methods "$GM"
+python benchmarks/controller_plain_rounds.py --limit 3 --repeats 2
+speculum bench $G --dtype bfloat16 --max-new-tokens 128 --out $OUT/i18/gemma-bf16 --methods "$GB"
+for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16; do
+  python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
+done
