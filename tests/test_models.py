@@ -18,6 +18,7 @@ import torch
 
 from speculum import models
 from speculum.errors import IncompatibleDraftError, InvalidInputError, ModelLoadError
+from speculum.runner import with_cache
 
 WORDS = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e", "l", "o", "▁"]
 
@@ -388,8 +389,8 @@ def test_self_draft_matches_truncated_target(builder, n):
         torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-4, atol=1e-5)
         # Incremental decoding with the draft's own cache gives the same logits.
         cache = DynamicCache(config=draft.config)
-        first = draft(ids[:, :7], past_key_values=cache, use_cache=True).logits
-        rest = draft(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+        first = draft(ids[:, :7], use_cache=True, **with_cache(draft, cache)).logits
+        rest = draft(ids[:, 7:], use_cache=True, **with_cache(draft, cache)).logits
         torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=1e-4, atol=1e-5)
         # The target itself is untouched.
         full = target(ids).logits
@@ -474,3 +475,26 @@ def test_real_qwen_pair_is_compatible(monkeypatch):
     models.check_draft_compatible(target, target_tok, draft, draft_tok)
     assert target_tok.chat_template and draft_tok.chat_template
     assert type(target).__name__ == "Qwen2ForCausalLM"
+
+
+def test_the_cache_goes_by_the_keyword_this_transformers_expects():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns); older
+    versions only know ``past_key_values``: the runner asks the model's signature."""
+    import inspect
+    import warnings
+
+    from transformers import DynamicCache
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    (name,) = with_cache(model, "CACHE")
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert name == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecation warning on the way
+        ids = torch.tensor([[3, 4, 5]])
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids, use_cache=True, **with_cache(model, cache))
+        assert cache.get_seq_length() == 3

@@ -20,6 +20,7 @@ never touch attention masks or devices:
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from itertools import chain
@@ -46,6 +47,14 @@ PLAIN_HEAD = {
     "gemma2",
     "gemma3_text",
 }
+
+
+def with_cache(module: torch.nn.Module, cache) -> dict:
+    """The keyword that hands ``module`` its KV cache: ``cache`` since transformers 5.24, which
+    deprecates ``past_key_values`` (with a warning on every first call); older versions only know
+    ``past_key_values``."""
+    accepts = inspect.signature(module.forward).parameters
+    return {"cache": cache} if "cache" in accepts else {"past_key_values": cache}
 
 
 @dataclass
@@ -155,10 +164,14 @@ class ModelRunner:
             return None
         ids = torch.tensor([token_ids], device=self.input_device)
         if self.split_head:  # no logits needed: skip the LM head altogether
-            out = self.model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = self.model.model(input_ids=ids, use_cache=True, **with_cache(self.model.model, cache))
             return out.last_hidden_state[0] if hidden else None
         out = self.model(
-            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, output_hidden_states=hidden
+            input_ids=ids,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=hidden,
+            **with_cache(self.model, cache),
         )
         return out.hidden_states[-1][0] if hidden else None
 
@@ -174,7 +187,9 @@ class ModelRunner:
             tree = TokenTree(list(tree), list(range(-1, len(tree) - 1)))
         past = cache_ops.cache_length(cache)
         inputs = dict(
-            input_ids=torch.tensor([tree.tokens], device=self.input_device), past_key_values=cache, use_cache=True
+            input_ids=torch.tensor([tree.tokens], device=self.input_device),
+            use_cache=True,
+            **with_cache(self.model, cache),
         )
         if not tree.is_chain:
             positions = tree.position_ids(past).to(self.input_device)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculum.policies import DraftStep, LengthPolicy, OracleStop
-from speculum.runner import ModelRunner
+from speculum.runner import ModelRunner, with_cache
 from speculum.sampling import SamplingParams, warp
 
 
@@ -72,7 +72,7 @@ def _forward(runner: ModelRunner, cache, ids: torch.Tensor, positions: torch.Ten
     """Hidden states and logits of ``ids`` appended to ``cache``, each row seeing what ``allowed`` says."""
     mask = runner.attention_mask(allowed, positions)
     inputs = dict(
-        input_ids=ids[None].to(runner.input_device), past_key_values=cache, use_cache=True,
+        input_ids=ids[None].to(runner.input_device), use_cache=True, **with_cache(runner.model, cache),
         attention_mask=mask, position_ids=positions[None].to(runner.input_device),
     )  # fmt: skip
     if runner.split_head:

@@ -34,7 +34,7 @@ from speculum import cache as cache_ops
 from speculum import engine
 from speculum.drafters.base import Drafter
 from speculum.errors import ReplayError
-from speculum.runner import LazyLogits, ModelRunner, StepOutput
+from speculum.runner import LazyLogits, ModelRunner, StepOutput, with_cache
 from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 from speculum.tree import TokenTree
@@ -138,7 +138,7 @@ class ReplayRunner:
         try:
             logits = target.model(
                 input_ids=torch.tensor([[tree.tokens[node] for node in off]], device=device),
-                past_key_values=self.target_cache,
+                **with_cache(target.model, self.target_cache),
                 use_cache=True,
                 attention_mask=target.attention_mask(allowed.to(device), positions),
                 position_ids=positions[None],
