@@ -49,7 +49,9 @@ def spec():
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--api-key", KEY, "--method", "anpd") as s:
+    # without the controller: tests compare the server's rounds with the library's, and the
+    # controller decides on measured times (its own tests are in test_controller.py)
+    with running_server("--api-key", KEY, "--method", "anpd", "--params", '{"controller": false}') as s:
         yield s
 
 
@@ -112,7 +114,7 @@ def stream_parts(chunks):
 
 def test_completion_streamed_equals_whole_equals_generate(client, spec):
     prompt = words(repetitive_prompt(24, 5))
-    expected = spec.generate(prompt, "anpd", max_new_tokens=40)
+    expected = spec.generate(prompt, "anpd", max_new_tokens=40, controller=False)
     assert expected.text == spec.generate(prompt, "autoregressive", max_new_tokens=40).text  # lossless
 
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
@@ -138,7 +140,7 @@ def test_completion_streamed_equals_whole_equals_generate(client, spec):
     assert text == expected.text
     assert "".join(t["text"] for t in tokens) == expected.text
     # every token coloured by its origin, exactly as the engine committed it
-    assert [t["source"] for t in tokens] == sources_of(spec, prompt, "anpd", max_new_tokens=40)
+    assert [t["source"] for t in tokens] == sources_of(spec, prompt, "anpd", max_new_tokens=40, controller=False)
     assert finish == whole.choices[0].finish_reason
     assert final["num_accepted_tokens"] == stats["num_accepted_tokens"]
     assert usage.completion_tokens == len(expected.token_ids)
@@ -146,7 +148,7 @@ def test_completion_streamed_equals_whole_equals_generate(client, spec):
 
 def test_chat_streamed_equals_whole_equals_generate(client, spec):
     messages = [{"role": "user", "content": words(repetitive_prompt(16, 4, seed=3))}]
-    expected = spec.generate(messages, "anpd", max_new_tokens=24)
+    expected = spec.generate(messages, "anpd", max_new_tokens=24, controller=False)
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == expected.text
