@@ -443,7 +443,11 @@ def test_api_key(server):
     assert response.status_code == 401
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     card = httpx.get(url + "/v1/models", headers=auth()).json()["data"][0]
-    assert (card["id"], card["chat_template"], card["speculation"]["default"]) == (MODEL, True, {"method": "anpd"})
+    assert (card["id"], card["chat_template"], card["speculation"]["default"]) == (
+        MODEL,
+        True,
+        {"method": "anpd", "controller": False},
+    )
     assert "speculum" in httpx.get(url + "/", auth=("anyone", KEY)).text  # a browser's Basic login
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
