@@ -105,19 +105,6 @@ def test_a_drafter_that_is_never_right_gets_plain_steps():
     assert sum(asked[-100:]) <= 3 * (100 // 32 + 1)
 
 
-def test_the_back_off_carries_over_to_the_next_request():
-    """A drafter that did not pay: the next request asks first, and if that does not pay either it
-    backs off to where it was at once instead of climbing 1, 2, 4, ... again."""
-    controller = Controller(FLAT)
-    run_rounds(controller, 200, accepted_of=lambda i: 0)
-    controller.start()
-    asked = run_rounds(controller, 100, accepted_of=lambda i: 0)
-    assert asked[:3] == [True] * 3  # the new prompt gets a look
-    assert sum(asked) <= 3 + 3 * (100 // 32 + 1)  # no ramp: straight back to probes every 32 rounds
-    controller.start()  # and a request where the drafter pays is drafted from its first rounds
-    assert all(run_rounds(controller, 40, accepted_of=lambda i: 4)[3:])
-
-
 def test_a_drafter_that_becomes_perfect_is_asked_again_within_the_backoff():
     controller = Controller(FLAT, max_backoff=32)
     run_rounds(controller, 200, accepted_of=lambda i: 0)  # long useless stretch: fully backed off

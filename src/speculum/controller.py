@@ -10,8 +10,7 @@ decoding:
   asking stops paying, it takes plain rounds (a plain round costs what plain decoding does: the
   drafter is not called), and asks again after a back-off of 1, 2, 4, ... rounds, at most
   ``max_backoff``: a drafter that becomes good again is noticed within that many rounds, and one
-  that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds. The
-  back-off carries over requests (each request is asked first).
+  that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds.
   Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
   than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
   to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on
@@ -90,8 +89,8 @@ class Plan:
 class Controller:
     """Decides, round by round, whether to draft and what to verify (see the module docstring).
 
-    One per drafter configuration, kept across requests (calibration, goodput and back-off carry
-    over; each request is asked first). ``cost`` is the target's cost model, shared and refined
+    One per drafter configuration, kept across requests (calibration and goodput carry over; the
+    back-off restarts with each request). ``cost`` is the target's cost model, shared and refined
     by every verification forward.
     """
 
@@ -136,13 +135,7 @@ class Controller:
     # ------------------------------------------------------------------ per request
 
     def start(self) -> None:
-        # A new request is asked first (its prompt may be what an n-gram drafter needs), but the
-        # back-off carries over: a drafter that did not pay on the last requests backs off at once to
-        # where it was if the first rounds do not pay either, instead of climbing 1, 2, 4, ... again
-        # (at T=1 that ramp, paid by every request, kept Medusa, CTC and lookahead asked in 21-40% of
-        # the rounds at 0.7-0.9x a plain round's goodput).
-        self._plain_left = 0
-        self.probing = self._backoff > 1  # judged afresh on its first rounds, as after a back-off
+        self._backoff, self._plain_left, self.probing = 1, 0, False
 
     @property
     def asked_rate(self) -> float:
