@@ -133,7 +133,7 @@ def test_rounds_with_nothing_to_verify_count_neither_way():
             TokenTree([1], [-1]), [0], None, asked=True, committed=1,
             forward_seconds=0.010, round_seconds=0.0101, draft_seconds=0.00001,
         )  # fmt: skip
-    assert controller.asked_tokens is None  # no verdict from rounds that verified nothing
+    assert controller.asked.tokens is None  # no verdict from rounds that verified nothing
     # an expensive drafter whose draft was all pruned did cost its drafting time: that counts
     for _ in range(3):
         controller.observe_round(

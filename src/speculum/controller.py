@@ -76,6 +76,38 @@ class Calibration:
         counts[1] = counts[1] * self.forget + (0.0 if accepted else 1.0)
 
 
+class Goodput:
+    """Committed tokens and seconds per round, averaged evenly over the first ``min_evidence`` rounds
+    of a fresh start and as moving averages after (their ratio is the goodput). The controller keeps
+    one for the rounds that asked the drafter; ``auto`` one each for rounds with and without its
+    costly drafters."""
+
+    def __init__(self, smoothing: float = 0.15, min_evidence: int = 3):
+        self.smoothing = smoothing
+        self.min_evidence = min_evidence
+        self.tokens: float | None = None
+        self.seconds = 0.0
+        self.rounds = 0  # since the last fresh start
+
+    def add(self, tokens: int, seconds: float, fresh: bool = False) -> None:
+        if fresh or self.tokens is None:
+            self.tokens, self.seconds, self.rounds = float(tokens), seconds, 1
+            return
+        self.rounds += 1
+        weight = 1.0 / self.rounds if self.rounds <= self.min_evidence else self.smoothing
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+
+    @property
+    def judged(self) -> bool:
+        """Enough rounds since the fresh start for a verdict (acceptance comes in bursts)."""
+        return self.rounds >= self.min_evidence
+
+    @property
+    def rate(self) -> float | None:
+        return None if self.tokens is None else self.tokens / max(self.seconds, 1e-9)
+
+
 @dataclass
 class Plan:
     """What the controller decided for one round."""
@@ -108,10 +140,6 @@ class Controller:
         self.cost = cost
         self.max_backoff = max_backoff
         self.smoothing = smoothing  # weight of the newest round in the size and expectation averages
-        # weight of the newest round in the goodput of asking: acceptance comes in bursts, so one
-        # round says little; ~7 rounds of memory, and never a verdict on fewer than min_evidence
-        self.goodput_smoothing = goodput_smoothing
-        self.min_evidence = min_evidence
         # an asked round that verified nothing and whose drafting cost less than this share of a
         # plain step is a plain round in all but name: it is not held against the drafter
         self.negligible = negligible
@@ -119,15 +147,13 @@ class Controller:
         # break-even is above it half the time by chance, and asking then loses what drafting costs
         self.margin = margin
         self.calibration = Calibration()
-        # committed tokens and seconds per round of the rounds that asked the drafter (moving averages:
-        # their ratio is the goodput of asking)
-        self.asked_tokens: float | None = None
-        self.asked_seconds = 0.0
+        # the goodput of the rounds that asked the drafter: acceptance comes in bursts, so one round
+        # says little; ~7 rounds of memory (goodput_smoothing), no verdict on fewer than min_evidence
+        self.asked = Goodput(goodput_smoothing, min_evidence)
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
         self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
         self._backoff = 1
         self._plain_left = 0
-        self._evidence = 0  # asked rounds judged since the last probe
         self.probing = False
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
@@ -136,11 +162,6 @@ class Controller:
 
     def start(self) -> None:
         self._backoff, self._plain_left, self.probing = 1, 0, False
-
-    @property
-    def asked_rate(self) -> float:
-        """Committed tokens per second of the rounds that asked the drafter (0 before any)."""
-        return (self.asked_tokens or 0.0) / max(self.asked_seconds, 1e-9)
 
     def plain_rate(self) -> float:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
@@ -250,20 +271,12 @@ class Controller:
             return  # nothing verified, next to nothing spent: neither evidence for asking nor against it
         if draft is not None and len(tree) > 1:
             self._calibrate(tree, path, draft)
-        if self.probing or self.asked_tokens is None:
-            # fresh evidence of how asking does now, averaged evenly over the first rounds
-            self.asked_tokens, self.asked_seconds, self._evidence = committed, round_seconds, 1
-        elif self._evidence < self.min_evidence:
-            self._evidence += 1
-            self.asked_tokens += (committed - self.asked_tokens) / self._evidence
-            self.asked_seconds += (round_seconds - self.asked_seconds) / self._evidence
-        else:
-            self.asked_tokens += self.goodput_smoothing * (committed - self.asked_tokens)
-            self.asked_seconds += self.goodput_smoothing * (round_seconds - self.asked_seconds)
+        # after a back-off, fresh evidence of how asking does now
+        self.asked.add(committed, round_seconds, fresh=self.probing)
         self.probing = False
-        if self._evidence < self.min_evidence:
+        if not self.asked.judged:
             return  # too few rounds to judge: acceptance comes in bursts
-        if self.asked_rate < self.plain_rate() * (1.0 + self.margin):
+        if self.asked.rate < self.plain_rate() * (1.0 + self.margin):
             self._plain_left = self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff)
         else:

@@ -20,6 +20,7 @@ never touch attention masks or devices:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -53,8 +54,13 @@ def with_cache(module: torch.nn.Module, cache) -> dict:
     """The keyword that hands ``module`` its KV cache: ``cache`` since transformers 5.24, which
     deprecates ``past_key_values`` (with a warning on every first call); older versions only know
     ``past_key_values``."""
-    accepts = inspect.signature(module.forward).parameters
-    return {"cache": cache} if "cache" in accepts else {"past_key_values": cache}
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # read once per model class: inspecting a signature on every forward would tax each token
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @dataclass

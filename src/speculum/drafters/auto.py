@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from speculum.controller import Goodput
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -90,36 +91,6 @@ class _Part:
     nodes: list[int] = field(default_factory=list)  # index in the merged draft of each of this draft's nodes
 
 
-class _Goodput:
-    """Committed tokens and seconds per round, averaged evenly over the first ``min_evidence`` rounds
-    of a fresh start and as moving averages after (their ratio is the goodput)."""
-
-    def __init__(self, smoothing: float = 0.15, min_evidence: int = 3):
-        self.smoothing = smoothing
-        self.min_evidence = min_evidence
-        self.tokens: float | None = None
-        self.seconds = 0.0
-        self.rounds = 0  # since the last fresh start
-
-    def add(self, tokens: int, seconds: float, fresh: bool = False) -> None:
-        if fresh or self.tokens is None:
-            self.tokens, self.seconds, self.rounds = float(tokens), seconds, 1
-            return
-        self.rounds += 1
-        weight = 1.0 / self.rounds if self.rounds <= self.min_evidence else self.smoothing
-        self.tokens += weight * (tokens - self.tokens)
-        self.seconds += weight * (seconds - self.seconds)
-
-    @property
-    def judged(self) -> bool:
-        """Enough rounds since the fresh start for a verdict (acceptance comes in bursts)."""
-        return self.rounds >= self.min_evidence
-
-    @property
-    def rate(self) -> float | None:
-        return None if self.tokens is None else self.tokens / max(self.seconds, 1e-9)
-
-
 class ModelGate:
     """Whether to run the costly drafters (a draft model, heads) this round: while rounds with them pay
     more per second than rounds without them; after they stop paying they are tried again after 1,
@@ -130,7 +101,7 @@ class ModelGate:
         self.max_backoff = max_backoff
         self.refresh = refresh
         self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
-        self.with_model, self.without_model = _Goodput(), _Goodput()
+        self.with_model, self.without_model = Goodput(), Goodput()
         self._backoff, self._skip, self._probe = 1, 0, False
         self._since_refresh = 0
 
