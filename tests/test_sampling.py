@@ -141,6 +141,23 @@ def test_rule_with_top_k_top_p(kind):
     assert_same_distribution(counts, exact)
 
 
+def test_one_draw_follows_the_distribution_over_many_blocks():
+    """``sample`` searches blocks of tokens, then inside one: a vocabulary that is not a multiple of
+    the block, zeros (whole blocks, and at a block's end) and uneven masses all come out right."""
+    from speculum.sampling import SAMPLE_BLOCK, sample
+
+    vocab = 3 * SAMPLE_BLOCK + 37
+    probs = torch.zeros(vocab)
+    hot = [0, SAMPLE_BLOCK - 2, 2 * SAMPLE_BLOCK + 5, vocab - 1]  # block 1 is all zeros
+    probs[hot] = torch.tensor([0.1, 0.4, 0.2, 0.3]) * 7.0  # unnormalised on purpose
+    rng = torch.Generator().manual_seed(0)
+    draws = [sample(probs, rng) for _ in range(4000)]
+    assert set(draws) <= set(hot)
+    _, pvalue = chisquare([draws.count(t) for t in hot], [400.0, 1600.0, 800.0, 1200.0])
+    assert pvalue > 1e-3
+    assert sample(torch.eye(vocab)[SAMPLE_BLOCK - 1], rng) == SAMPLE_BLOCK - 1  # a block's last token
+
+
 def test_the_test_detects_a_wrong_rule():
     """Accepting stochastic drafts blindly (a classic bug) must fail the same check."""
     target, draft_table = tables(0)

@@ -69,6 +69,28 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
+SAMPLE_BLOCK = 512  # tokens per block of the two-level inverse-CDF search in ``sample``
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token from a probability vector (``probs >= 0``, not necessarily normalised).
+
+    An inverse-CDF draw from one uniform, in two levels: the block of ``SAMPLE_BLOCK`` tokens from
+    the running sum of block masses, then the token inside it. Sums are in float64, so a token's
+    chance is its probability to ~1e-12. ``torch.multinomial`` draws one exponential per token
+    instead: on a 262k vocabulary (Gemma 3) that took 4 ms on a 2-core CPU, 11% of a decode step,
+    against 0.07 ms here. A zero-probability token is never drawn.
+    """
+    probs = probs.reshape(-1)
+    vocab = probs.numel()
+    padded = torch.nn.functional.pad(probs, (0, -vocab % SAMPLE_BLOCK)).view(-1, SAMPLE_BLOCK)
+    block_cdf = torch.cumsum(padded.sum(dim=1, dtype=torch.float64), dim=0)
+    u = torch.rand((), generator=generator, device=probs.device, dtype=torch.float64) * block_cdf[-1]
+    block = int(torch.searchsorted(block_cdf, u, right=True).clamp_max(block_cdf.numel() - 1))
+    inside = u - block_cdf[block - 1] if block > 0 else u
+    row = padded[block]
+    token = int(torch.searchsorted(torch.cumsum(row, dim=0, dtype=torch.float64), inside, right=True))
+    if token >= SAMPLE_BLOCK or row[token] <= 0:
+        # float64 rounding put the draw past the block's last token with mass: that is the one
+        token = int(torch.nonzero(row > 0)[-1])
+    return block * SAMPLE_BLOCK + token
