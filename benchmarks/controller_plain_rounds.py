@@ -40,7 +40,7 @@ def main() -> None:
     spec = speculum.load(args.model, dtype=args.dtype)
     plain = speculum.SpeculativeConfig("autoregressive")
     controlled = speculum.SpeculativeConfig(args.method, controller=True)
-    spec._controllers[controlled.key()] = NeverDrafts(spec.cost_model)
+    spec._controllers[(controlled.key(), False)] = NeverDrafts(spec.cost_model)  # greedy requests
     chat = bool(getattr(spec.tokenizer, "chat_template", None))
     prompts = [
         p.render(chat and name != "humaneval")

@@ -125,6 +125,55 @@ def test_a_bursty_drafter_that_pays_on_average_keeps_drafting():
         assert sum(asked[-200:]) >= 180
 
 
+def asked_share(controller, rounds, asked_round_seconds, plain_seconds=0.010):
+    """Rounds where asking gains nothing and costs ``asked_round_seconds``: the share that asked."""
+    asked = 0
+    for _ in range(rounds):
+        if controller.wants_draft():
+            asked += 1
+            draft = chain_draft(4, 0.5)
+            tree = TokenTree.from_draft(1, draft, keep=controller.plan(draft, 10).keep)
+            controller.observe_round(
+                tree, [0], draft, asked=True, committed=1, forward_seconds=plain_seconds,
+                round_seconds=asked_round_seconds, draft_seconds=asked_round_seconds - plain_seconds,
+            )  # fmt: skip
+        else:
+            controller.observe_round(
+                TokenTree([1], [-1]), [0], None, asked=False, committed=1,
+                forward_seconds=plain_seconds, round_seconds=plain_seconds,
+            )  # fmt: skip
+    return asked / rounds
+
+
+def test_a_probe_that_loses_much_backs_off_past_the_usual_cap():
+    # a lookahead window at T=1: asking costs two plain steps and gains nothing. One probe per 32
+    # rounds would lose 3 of every 35 steps; the back-off grows until probing loses ~1.5% of them
+    costly = asked_share(Controller(FLAT, max_backoff=32), 3000, asked_round_seconds=0.020)
+    cheap = asked_share(Controller(FLAT, max_backoff=32), 3000, asked_round_seconds=0.0105)
+    assert costly < 0.03  # ~3 asked per 200 rounds, after the ramp (it was 3 per 35)
+    assert 3 / 35 * 0.8 < cheap < 0.12  # a cheap probe keeps the usual cap: one per 32 rounds
+
+
+def test_a_probe_prunes_with_the_drafters_own_belief_not_the_whole_tree():
+    steep = CostModel([(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.020), (16, 0.160)])
+    controller = Controller(steep)
+    for _ in range(300):  # calibration: nodes scored 0.9 are never accepted
+        controller.calibration.update(0.9, 1, accepted=False)
+    draft = Draft(list(range(3, 15)), [-1] + list(range(11)), scores=[0.9] * 12)
+    assert sum(controller.plan(draft, 20).keep) == 0  # not a probe: nothing pays
+    controller.probing = True
+    kept = sum(controller.plan(draft, 20).keep)
+    assert 1 <= kept <= 3  # a probe: what the drafter's belief (0.9 a node) says pays, not all 12
+
+
+def test_sampled_requests_carry_the_back_off_over_and_greedy_ones_restart_it():
+    for carry in (False, True):
+        controller = Controller(FLAT, carry_backoff=carry)
+        run_rounds(controller, 200, accepted_of=lambda i: 0)  # fully backed off
+        controller.start()  # the next request
+        assert controller.wants_draft() is not carry
+
+
 def test_rounds_with_nothing_to_verify_count_neither_way():
     controller = Controller(FLAT)
     for _ in range(50):  # an n-gram drafter with no match: asked, proposes nothing, costs nothing

@@ -68,7 +68,7 @@ class Speculum:
         # prompts need this: a second Ouroboros setting would otherwise reuse the first one's phrases)
         self.pools_per_config = False
         self._shared_uses: dict[tuple, set] = {}  # drafter key -> the keys of _shared that drafter used
-        self._controllers: dict[tuple, Controller] = {}  # drafter key -> its controller (what it learned)
+        self._controllers: dict[tuple, Controller] = {}  # (drafter key, sampled) -> its controller (what it learned)
         self._cost_model: CostModel | None = None
         self._vocab_key: str | None = None
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -139,7 +139,8 @@ class Speculum:
         recent configurations bounds their pools this way too. The next use of ``config`` starts afresh."""
         key = SpeculativeConfig.coerce(config).key()
         self._drafters.pop(key, None)
-        self._controllers.pop(key, None)
+        for sampled in (False, True):
+            self._controllers.pop((key, sampled), None)
         self._shared_uses.pop(key, None)
         in_use = set().union(*self._shared_uses.values())
         for name in [name for name in self._shared if name not in in_use]:
@@ -158,11 +159,12 @@ class Speculum:
     def cost_model(self, model: CostModel) -> None:
         self._cost_model = model
 
-    def controller_for(self, config: SpeculativeConfig) -> Controller:
-        """The controller of ``config``'s drafter (kept, with what it learned, across requests)."""
-        key = config.key()
+    def controller_for(self, config: SpeculativeConfig, sampled: bool = False) -> Controller:
+        """The controller of ``config``'s drafter for greedy or sampled requests (kept, with what it
+        learned, across requests; sampled requests carry its back-off over too)."""
+        key = (config.key(), sampled)
         if key not in self._controllers:
-            self._controllers[key] = Controller(self.cost_model)
+            self._controllers[key] = Controller(self.cost_model, carry_backoff=sampled)
         return self._controllers[key]
 
     def resources(self) -> Resources:
@@ -206,7 +208,7 @@ class Speculum:
             generator.manual_seed(seed if seed is not None else secrets.randbits(63))
         stats = Stats()
         seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
-        controller = self.controller_for(config) if config.controlled(seeded_sampling) else None
+        controller = self.controller_for(config, not sampling.greedy) if config.controlled(seeded_sampling) else None
         steps = engine.run(
             self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats, controller
         )

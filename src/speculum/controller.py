@@ -10,7 +10,9 @@ decoding:
   asking stops paying, it takes plain rounds (a plain round costs what plain decoding does: the
   drafter is not called), and asks again after a back-off of 1, 2, 4, ... rounds, at most
   ``max_backoff``: a drafter that becomes good again is noticed within that many rounds, and one
-  that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds.
+  that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds. Where
+  a probe loses much (a lookahead window verified at T=1 costs 1.5 plain steps and gains nothing),
+  the back-off grows past ``max_backoff`` until probing loses at most ``exploration`` of the time.
   Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
   than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
   to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on
@@ -22,8 +24,14 @@ decoding:
   most likely nodes whose expected committed tokens per second, under the cost model t(n), is
   highest, and hands the engine a keep-mask (pruning is lossless: dropped nodes are simply not
   verified). Nothing kept means a plain step.
-- **Exploration.** A probe round (after a back-off) verifies the draft unpruned, so calibration
-  keeps learning even when estimates say nothing pays.
+- **Exploration.** A probe round (after a back-off) prunes with optimistic estimates (no node
+  below its drafter's own belief), so calibration keeps learning even when it says nothing pays,
+  without paying for a whole tree.
+- **Greedy and sampled requests** get a controller each (P(accepted | score) differs between them).
+  A greedy request starts its back-off afresh, since what an n-gram drafter can copy depends on the
+  prompt; a sampled one carries it over from the last request, since at T=1 the temperature
+  decides more than the prompt (issue #18: restarting it made every sampled request climb the ramp
+  1, 2, 4, ... again, and kept heads and lookahead asked in 21-40% of rounds at a loss).
 
 Exactness is untouched: the controller only decides which draft nodes are verified, or whether to
 draft at all. A sampled node's score must not depend on its own token (see ``Draft``): pruning on a
@@ -62,12 +70,14 @@ class Calibration:
         score_bin = min(BINS - 1, int(max(0.0, min(1.0, score)) * BINS))
         return (source, "score", score_bin, min(depth, SCORED_DEPTH_BINS))
 
-    def estimate(self, score: float | None, depth: int, source: str = "") -> float:
+    def estimate(self, score: float | None, depth: int, source: str = "", optimistic: bool = False) -> float:
+        """The posterior mean; ``optimistic``: never below the prior (the drafter's own belief)."""
         key = self._bin(score, depth, source)
         prior = 0.5 if score is None else (key[2] + 0.5) / BINS
         accepted, rejected = self.counts.get(key, (0.0, 0.0))
         strength = self.prior_strength
-        return (accepted + prior * strength) / (accepted + rejected + strength)
+        posterior = (accepted + prior * strength) / (accepted + rejected + strength)
+        return max(posterior, prior) if optimistic else posterior
 
     def update(self, score: float | None, depth: int, accepted: bool, source: str = "") -> None:
         key = self._bin(score, depth, source)
@@ -121,9 +131,10 @@ class Plan:
 class Controller:
     """Decides, round by round, whether to draft and what to verify (see the module docstring).
 
-    One per drafter configuration, kept across requests (calibration and goodput carry over; the
-    back-off restarts with each request). ``cost`` is the target's cost model, shared and refined
-    by every verification forward.
+    One per drafter configuration and sampling regime, kept across requests (calibration and
+    goodput carry over; the back-off restarts with each request unless ``carry_backoff``: sampled
+    requests). ``cost`` is the target's cost model, shared and refined by every verification
+    forward.
     """
 
     def __init__(
@@ -136,9 +147,15 @@ class Controller:
         min_evidence: int = 3,
         negligible: float = 0.05,
         margin: float = 0.03,
+        exploration: float = 0.015,
+        carry_backoff: bool = False,
     ):
         self.cost = cost
         self.max_backoff = max_backoff
+        # the share of plain steps a losing probe may cost: the back-off grows past max_backoff
+        # (up to 8 times it) until one probe's loss is at most this share of the rounds between probes
+        self.exploration = exploration
+        self.carry_backoff = carry_backoff
         self.smoothing = smoothing  # weight of the newest round in the size and expectation averages
         # an asked round that verified nothing and whose drafting cost less than this share of a
         # plain step is a plain round in all but name: it is not held against the drafter
@@ -155,13 +172,15 @@ class Controller:
         self._backoff = 1
         self._plain_left = 0
         self.probing = False
+        self._losses: list[float] = []  # plain steps each recent asked round lost (negative: gained)
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
 
     # ------------------------------------------------------------------ per request
 
     def start(self) -> None:
-        self._backoff, self._plain_left, self.probing = 1, 0, False
+        if not self.carry_backoff:
+            self._backoff, self._plain_left, self.probing = 1, 0, False
 
     def plain_rate(self) -> float:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
@@ -188,14 +207,14 @@ class Controller:
             by_parent.setdefault(parent, []).append(i)
         for parent, children in by_parent.items():  # parents before children: reach[parent] is final
             above = 1.0 if parent < 0 else reach[parent]
-            chances = [self.calibration.estimate(scores[c], depths[c], sources[c]) if depths[c] <= max_depth else 0.0
-                       for c in children]  # fmt: skip
+            chances = [self.calibration.estimate(scores[c], depths[c], sources[c], optimistic=self.probing)
+                       if depths[c] <= max_depth else 0.0 for c in children]  # fmt: skip
             total = sum(chances)
             scale = 1.0 / total if total > 1.0 else 1.0  # siblings are exclusive: at most one is accepted
             for child, chance in zip(children, chances, strict=True):
                 reach[child] = above * chance * scale
         within = sum(1 for d in depths if d <= max_depth)
-        if not prunable or self.probing:
+        if not prunable:
             expected = 1.0 + sum(reach[i] for i in range(len(draft)) if depths[i] <= max_depth)
             return self._planned(Plan(None, expected, self.cost(within + 1)), within)
         if draft.probs is not None:
@@ -273,12 +292,17 @@ class Controller:
             self._calibrate(tree, path, draft)
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
+        loss = round_seconds * self.plain_rate() - committed  # plain steps lost against plain decoding
+        recent = [] if self.probing else self._losses
+        self._losses = (recent + [loss])[-self.asked.min_evidence :]
         self.probing = False
         if not self.asked.judged:
             return  # too few rounds to judge: acceptance comes in bursts
         if self.asked.rate < self.plain_rate() * (1.0 + self.margin):
             self._plain_left = self._backoff
-            self._backoff = min(self._backoff * 2, self.max_backoff)
+            # a probe that lost L plain steps is worth one per L / exploration rounds
+            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
+            self._backoff = min(self._backoff * 2, cap)
         else:
             self._backoff = 1
 
