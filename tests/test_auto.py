@@ -27,6 +27,8 @@ def test_auto_takes_what_the_model_has():
     model = tiny_model("llama")
     assert auto(model).names == ["anpd", "prompt_lookup"]  # no heads ship for a random model, no draft
     assert auto(model, perturbed_copy(model)).names == ["anpd", "prompt_lookup", "draft_model"]
+    assert auto(model, perturbed_copy(model)).whole_sources == {"draft_model"}  # its chain verified as drafted
+    assert auto(model).whole_sources == frozenset()
     assert auto(model, perturbed_copy(model), drafters="draft_model,anpd").names == ["draft_model", "anpd"]
     with pytest.raises(InvalidInputError, match="needs a draft model"):
         auto(model, drafters="draft_model")
@@ -71,7 +73,7 @@ def test_auto_sampling_follows_the_target():
             p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
             for b in torch.nonzero(p2 > 0).flatten().tolist():
                 exact[(a, b)] = p1[a].item() * p2[b].item()
-    drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3)
+    drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3, draft_depth=3)
     gen = torch.Generator().manual_seed(5)
     counts = dict.fromkeys(exact, 0)
     trials, mixed = 1500, 0
@@ -141,5 +143,7 @@ def test_auto_options():
     assert Options().names() == ["anpd", "prompt_lookup", "medusa", "ctc", "draft_model"]
     with pytest.raises(InvalidInputError):
         Options(num_speculative_tokens=0)
+    with pytest.raises(InvalidInputError):
+        Options(draft_depth=0)
     r = Resources()
     assert AutoDrafter(Options(drafters="anpd"), r).names == ["anpd"]

@@ -73,6 +73,18 @@ def test_nodes_beyond_the_depth_left_are_not_counted():
     assert sum(plan.keep) == 3
 
 
+def test_a_whole_source_is_verified_as_proposed_and_the_rest_pruned():
+    # a draft model's chain (scores 0.3: the calibration would prune it) and an n-gram branch beside it
+    draft = Draft([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3], scores=[0.3, 0.3, 0.3, 0.3, 0.3],
+                  sources=["draft_model"] * 3 + ["anpd"] * 2)  # fmt: skip
+    assert sum(Controller(STEEP).plan(draft, 10).keep) == 0
+    plan = Controller(STEEP).plan(draft, 10, whole_sources=frozenset({"draft_model"}))
+    assert plan.keep == [True, True, True, False, False]
+    assert Controller(STEEP).plan(draft, 2, whole_sources=frozenset({"draft_model"})).keep[:3] == [True, True, False]
+    sampled = Draft(draft.tokens, draft.parents, [torch.full((VOCAB,), 1.0 / VOCAB)] * 5, draft.scores, draft.sources)
+    assert Controller(STEEP).plan(sampled, 10, whole_sources=frozenset({"draft_model"})).keep[:3] == [True] * 3
+
+
 def test_calibration_learns_what_the_target_accepts():
     cal = Calibration()
     assert cal.estimate(0.95, 1) > 0.8  # before any evidence: the drafter's own belief

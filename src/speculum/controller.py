@@ -196,8 +196,11 @@ class Controller:
 
     # ------------------------------------------------------------------ what to verify
 
-    def plan(self, draft: Draft, max_depth: int, prunable: bool = True) -> Plan:
-        """The keep-mask over ``draft``'s nodes that maximises expected committed tokens per second."""
+    def plan(
+        self, draft: Draft, max_depth: int, prunable: bool = True, whole_sources: frozenset[str] = frozenset()
+    ) -> Plan:
+        """The keep-mask over ``draft``'s nodes that maximises expected committed tokens per second;
+        nodes of ``whole_sources`` are kept whenever their parent is (see ``Drafter.whole_sources``)."""
         depths = draft.depths()
         scores = draft.scores if draft.scores is not None else [None] * len(draft)
         sources = draft.sources if draft.sources is not None else [""] * len(draft)
@@ -217,31 +220,41 @@ class Controller:
         if not prunable:
             expected = 1.0 + sum(reach[i] for i in range(len(draft)) if depths[i] <= max_depth)
             return self._planned(Plan(None, expected, self.cost(within + 1)), within)
+        whole = [False] * len(draft)  # kept as proposed: a whole-source node below the root or another one
+        if whole_sources and draft.sources is not None:
+            for i, parent in enumerate(draft.parents):
+                whole[i] = sources[i] in whole_sources and depths[i] <= max_depth and (parent < 0 or whole[parent])
         if draft.probs is not None:
-            keep = self._local_keep(draft, reach, depths, max_depth)
+            keep = self._local_keep(draft, reach, depths, max_depth, whole)
         else:
-            keep = self._best_keep(reach, depths)
+            keep = self._best_keep(reach, depths, whole)
         kept = sum(keep)
         expected = 1.0 + sum(r for r, k in zip(reach, keep, strict=True) if k)
         return self._planned(Plan(keep, expected, self.cost(kept + 1), within - kept), kept)
 
-    def _best_keep(self, reach: list[float], depths: list[int]) -> list[bool]:
-        """Deterministic drafts: the prefix of nodes, most likely first, with the best expected tokens
-        per second. Reach never grows along a path, so every prefix of that order (ties broken by
-        depth, then draft order) holds each node's parent."""
-        order = sorted((i for i in range(len(reach)) if reach[i] > 0), key=lambda i: (-reach[i], depths[i], i))
-        best_m, best_value, gained = 0, 1.0 / (self.cost(1) + self.overhead), 0.0
+    def _best_keep(self, reach: list[float], depths: list[int], whole: list[bool]) -> list[bool]:
+        """Deterministic drafts: the ``whole`` nodes, then the prefix of the other nodes, most likely
+        first, with the best expected tokens per second. Reach never grows along a path, so every
+        prefix of that order (ties broken by depth, then draft order) holds each node's parent."""
+        fixed = sum(whole)
+        order = sorted(
+            (i for i in range(len(reach)) if reach[i] > 0 and not whole[i]), key=lambda i: (-reach[i], depths[i], i)
+        )
+        gained = sum(r for r, w in zip(reach, whole, strict=True) if w)
+        best_m, best_value = 0, (1.0 + gained) / (self.cost(fixed + 1) + self.overhead)
         for m, node in enumerate(order, start=1):
             gained += reach[node]
-            value = (1.0 + gained) / (self.cost(m + 1) + self.overhead)
+            value = (1.0 + gained) / (self.cost(fixed + m + 1) + self.overhead)
             if value > best_value:
                 best_m, best_value = m, value
-        keep = [False] * len(reach)
+        keep = list(whole)
         for node in order[:best_m]:
             keep[node] = True
         return keep
 
-    def _local_keep(self, draft: Draft, reach: list[float], depths: list[int], max_depth: int) -> list[bool]:
+    def _local_keep(
+        self, draft: Draft, reach: list[float], depths: list[int], max_depth: int, whole: list[bool]
+    ) -> list[bool]:
         """Drafts with sampled nodes: whether a node is verified may depend only on what was known
         before it was sampled (its ancestors, its own sampling distribution, this controller's past),
         never on its own token or on other branches (keeping a sampled token because of what it or a
@@ -254,7 +267,7 @@ class Controller:
         keep = [False] * len(draft)
         for i, parent in enumerate(draft.parents):
             above = parent < 0 or keep[parent]
-            keep[i] = above and depths[i] <= max_depth and reach[i] > threshold
+            keep[i] = whole[i] or (above and depths[i] <= max_depth and reach[i] > threshold)
         return keep
 
     def _planned(self, plan: Plan, kept: int) -> Plan:

@@ -91,7 +91,7 @@ def _steps(
             t1 = time.perf_counter()
             keep = None
             if controller is not None and draft is not None and len(draft):
-                plan = controller.plan(draft, ctx.max_depth, drafter.prunable)
+                plan = controller.plan(draft, ctx.max_depth, drafter.prunable, drafter.whole_sources)
                 keep = plan.keep
                 stats.nodes_pruned += plan.pruned
                 stats.predicted_tokens += plan.expected_tokens

@@ -210,6 +210,10 @@ class Drafter:
     # Whether the controller may verify only part of a draft. False for a drafter that needs the
     # target's output at every node it proposed (lookahead's Jacobi window).
     prunable: bool = True
+    # Sources (``Draft.sources``) whose nodes the controller verifies as proposed, below a kept parent:
+    # a draft model that stops on its own confidence has already paid for each token it drafted and
+    # judged it worth verifying (``auto`` keeps its draft model's chain this way).
+    whole_sources: frozenset[str] = frozenset()
 
     def check(self, sampling: SamplingParams) -> None:
         """Refuse (InvalidInputError) a request this drafter cannot serve exactly; called when the request
