@@ -71,6 +71,8 @@ def test_lengthened_draft_hangs_phrases_below_the_last_token(pair):
     out = drafter._lengthened([20, 30], Ctx())
     assert out.tokens == [20, 30, 7, 8, 9, 4, 5, 6]  # the K=2 newest phrases
     assert out.parents == [-1, 0, 1, 2, 3, 1, 5, 6]
+    # the controller verifies the draft model's chain as drafted and prunes the phrases only
+    assert out.sources == ["draft_model"] * 2 + ["phrases"] * 6 and drafter.whole_sources == {"draft_model"}
     Ctx.max_depth = 3  # room for one more token only
     assert drafter._lengthened([20, 30], Ctx()).tokens == [20, 30, 7, 4]
 
