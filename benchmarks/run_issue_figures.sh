@@ -163,6 +163,18 @@ speculum bench $Q --max-new-tokens 64 --out $OUT/i18/qwen-bf16-v3 \
 speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1 --methods "$GM"
 python benchmarks/controller_plain_rounds.py --limit 3 --repeats 2
 speculum bench $G --dtype bfloat16 --max-new-tokens 128 --out $OUT/i18/gemma-bf16 --methods "$GB"
-for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16; do
+# second pass: faster sampling, a controller per sampling regime, cheaper probes, auto's whole draft chain
+GC="autoregressive,hf_generate,hf_prompt_lookup,anpd:controller=true,prompt_lookup:controller=true,lookahead:controller=true,medusa:controller=true,ctc:controller=true,auto"
+speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1-v4 --methods "$GC"
+speculum bench $G --dtype float32 --max-new-tokens 128 --out $OUT/i18/gemma-fp32-v4 --methods "$GC"
+speculum bench $Q --max-new-tokens 64 --out $OUT/i18/qwen-bf16-v4 --methods "autoregressive,hf_assisted,draft_model,ouroboros,anpd,auto"
+# Ouroboros with and without the controller (before/after its chain is kept whole: check, check2)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k --limit 5 --max-new-tokens 64 \
+  --out $OUT/i18/qwen-ouro-check2 --methods "autoregressive,ouroboros,ouroboros:controller=false"
+for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
+
+# ---- issue #19 (batching), first measurement: what a forward over B rows of K tokens costs
+python benchmarks/batch_cost.py gemma-3-270m --dtype float32 --threads 2 --reps 3
+python benchmarks/batch_cost.py qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --reps 3 --batches 1,2,4,8,16 --ks 1,2,4,8
