@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
-import time
 
 import torch
 from transformers import DynamicCache
@@ -33,7 +31,7 @@ from transformers import DynamicCache
 from speculum.bench.report import machine_info, now_iso
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from verify_cost import prompt_ids  # noqa: E402 - the sibling script's real-text ids
+from verify_cost import median_forward_seconds, prompt_ids  # noqa: E402 - the sibling script's helpers
 
 
 @torch.inference_mode()
@@ -47,19 +45,7 @@ def measure(model, ids: list[int], prefix: int, batch: int, ks: list[int], reps:
     out: dict[int, float] = {}
     for k in ks:
         x = torch.tensor([r[prefix : prefix + k] for r in rows], device=device)
-        extra = {"logits_to_keep": 1} if k == 1 else {}
-        times = []
-        for rep in range(reps + 1):  # the first run is a warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(input_ids=x, past_key_values=cache, use_cache=True, **extra)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if rep:
-                times.append(time.perf_counter() - t0)
-            cache.crop(-k)
-        out[k] = statistics.median(times)
+        out[k] = median_forward_seconds(model, cache, x, reps, {"logits_to_keep": 1} if k == 1 else {})
     return out
 
 

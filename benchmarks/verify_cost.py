@@ -50,21 +50,28 @@ def measure(model, ids: list[int], prefix: int, ks: list[int], reps: int, last_o
     out: dict[int, float] = {}
     for k in ks:
         x = torch.tensor([ids[prefix : prefix + k]], device=device)
-        times = []
-        for rep in range(reps + 1):  # the first run is a warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(input_ids=x, past_key_values=cache, use_cache=True, **extra)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            cache.crop(-k)
-            if rep:
-                times.append(dt)
+        out[k] = median_forward_seconds(model, cache, x, reps, extra)
         assert cache.get_seq_length() == prefix
-        out[k] = statistics.median(times)
     return out
+
+
+@torch.inference_mode()
+def median_forward_seconds(model, cache, input_ids: torch.Tensor, reps: int, extra: dict) -> float:
+    """Median seconds of ``reps`` forwards of ``input_ids`` after ``cache`` (after one warm-up), the
+    cache cropped back after each."""
+    device = input_ids.device
+    times = []
+    for rep in range(reps + 1):  # the first run is a warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(input_ids=input_ids, past_key_values=cache, use_cache=True, **extra)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - t0)
+        cache.crop(-input_ids.shape[1])
+    return statistics.median(times)
 
 
 def table(rows: list[tuple[str, str, dict[int, float]]], ks: list[int]) -> str:
