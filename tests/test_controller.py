@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculum import engine
-from speculum.controller import Calibration, Controller
+from speculum.controller import Calibration, Controller, source_depths
 from speculum.costs import CostModel
 from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
@@ -176,6 +176,82 @@ def test_a_probe_prunes_with_the_drafters_own_belief_not_the_whole_tree():
     controller.probing = True
     kept = sum(controller.plan(draft, 20).keep)
     assert 1 <= kept <= 3  # a probe: what the drafter's belief (0.9 a node) says pays, not all 12
+
+
+def chain_and_phrase(chain=4, phrase=4):
+    """A draft model's chain (scored 0.9, kept whole) with an unscored pool phrase below its end, as
+    Ouroboros proposes."""
+    tokens = list(range(3, 3 + chain + phrase))
+    parents = [-1] + list(range(chain + phrase - 1))
+    return Draft(tokens, parents, scores=[0.9] * chain + [None] * phrase,
+                 sources=["draft_model"] * chain + ["phrases"] * phrase)  # fmt: skip
+
+
+def phrase_rounds(controller, rounds, phrase_accepted):
+    """Rounds of ``chain_and_phrase`` where the chain is always accepted and the phrase whole or not
+    at all; returns (rounds that verified the phrase, rounds that explored)."""
+    whole = frozenset({"draft_model"})
+    verified = explored = 0
+    for _ in range(rounds):
+        assert controller.wants_draft()
+        draft = chain_and_phrase()
+        plan = controller.plan(draft, 20, whole_sources=whole)
+        tree = TokenTree.from_draft(1, draft, keep=plan.keep)
+        verified += len(tree) > 5
+        explored += plan.explored
+        path = list(range(len(tree) if phrase_accepted else 5))
+        seconds = controller.cost(len(tree))
+        controller.observe_round(
+            tree, path, draft, asked=True, committed=len(path), forward_seconds=seconds, round_seconds=seconds,
+        )  # fmt: skip
+    return verified, explored
+
+
+# verifying the chain (5 nodes) costs 0.011 s, the chain and the phrase 0.014 s
+PHRASE_COST = CostModel([(1, 0.010), (5, 0.011), (6, 0.0125), (9, 0.014)])
+
+
+def test_nodes_pruning_would_always_drop_are_explored_on_a_budget():
+    controller = Controller(PHRASE_COST)
+    first = controller.plan(chain_and_phrase(), 20, whole_sources=frozenset({"draft_model"}))
+    assert first.keep == [True] * 4 + [False] * 4  # before any evidence the phrase does not pay
+    controller = Controller(PHRASE_COST)
+    verified, explored = phrase_rounds(controller, 100, phrase_accepted=True)
+    assert 1 <= explored <= 4  # the budget allows one whole tree per ~12 rounds, then it is known
+    assert verified > 80  # once learnt (the target takes the phrase), pruning keeps it by itself
+    assert not controller.plan(chain_and_phrase(), 20, whole_sources=frozenset({"draft_model"})).explored
+
+
+def test_dear_drafting_makes_extra_nodes_a_smaller_share_of_the_round():
+    # the same phrase costs 0.003 s more to verify: 27% of a round with no drafting time, 14% of one
+    # that spent 0.011 s drafting; its ~0.75 expected tokens pay only in the second
+    whole = frozenset({"draft_model"})
+    cheap = Controller(PHRASE_COST).plan(chain_and_phrase(), 20, whole_sources=whole)
+    dear = Controller(PHRASE_COST).plan(chain_and_phrase(), 20, whole_sources=whole, draft_seconds=0.011)
+    assert sum(cheap.keep) == 4 and sum(dear.keep) > 4
+
+
+def test_a_phrase_below_a_chain_is_calibrated_by_its_own_depth_whatever_the_chain_length():
+    assert source_depths(chain_and_phrase(3, 4)) == [1, 2, 3, 1, 2, 3, 4]
+    controller, rng = Controller(PHRASE_COST), random.Random(0)
+    for _ in range(200):  # chains of 2..6 tokens; a phrase's first token is a guess, the rest a copy
+        draft = chain_and_phrase(rng.randint(2, 6), 4)
+        tree = TokenTree.from_draft(1, draft)
+        chain = sum(1 for s in draft.sources if s == "draft_model")
+        accepted = chain + (4 if rng.random() < 0.3 else 0)
+        controller._calibrate(tree, list(range(accepted + 1)), draft)
+    cal = controller.calibration
+    assert cal.estimate(None, 1, "phrases") < 0.45 and cal.estimate(None, 2, "phrases") > 0.9
+
+
+def test_exploring_stops_when_the_frontier_is_known_to_lose():
+    controller = Controller(PHRASE_COST)
+    verified, explored = phrase_rounds(controller, 600, phrase_accepted=False)
+    # each exploring round is one sample of the phrase's first node (the nodes below it are learnt
+    # of only once it is accepted): EXPLORE_EVIDENCE of them, then no more
+    assert explored == verified and 6 <= explored <= 10
+    extra = PHRASE_COST(9) - PHRASE_COST(5)
+    assert explored * extra <= 0.02 * 600 * PHRASE_COST(5) + 4 * PHRASE_COST(1)  # within the budget
 
 
 def test_sampled_requests_carry_the_back_off_over_and_greedy_ones_restart_it():

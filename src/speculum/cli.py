@@ -170,7 +170,8 @@ def print_stats(result, config, dtype_choice=None) -> None:
         rows += [
             (
                 "controller: rounds drafted / plain, nodes pruned",
-                f"{s.rounds_drafted} / {s.rounds_plain}, {s.nodes_pruned} (own time {s.time_control * 1e3:.1f} ms)",
+                f"{s.rounds_drafted} / {s.rounds_plain}, {s.nodes_pruned} ({s.rounds_explored} rounds verified whole "
+                f"to explore; own time {s.time_control * 1e3:.1f} ms)",
             ),
             (
                 "controller: predicted / realised tokens/s",

@@ -26,7 +26,12 @@ decoding:
   verified). Nothing kept means a plain step.
 - **Exploration.** A probe round (after a back-off) prunes with optimistic estimates (no node
   below its drafter's own belief), so calibration keeps learning even when it says nothing pays,
-  without paying for a whole tree.
+  without paying for a whole tree. Nodes that pruning would always drop are never verified, so
+  nothing would ever be learnt of them (issue #18: Ouroboros' phrases hang below its chain, their
+  reach is small before any evidence, and the controller pruned all of them while they gave 1.6 of
+  every 4 accepted tokens uncontrolled): while a pruned node's bin has less than
+  ``EXPLORE_EVIDENCE`` samples and its parent is kept, a round verifies the whole proposal whenever a budget, filled at
+  ``explore_share`` of the time spent, covers what the extra nodes cost under t(n).
 - **Greedy and sampled requests** get a controller each (P(accepted | score) differs between them).
   A greedy request starts its back-off afresh, since what an n-gram drafter can copy depends on the
   prompt; a sampled one carries it over from the last request, since at T=1 the temperature
@@ -40,6 +45,7 @@ sampled token's value would bias the distribution the verifier corrects for.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from speculum.costs import CostModel
@@ -48,14 +54,15 @@ from speculum.tree import Draft, TokenTree
 BINS = 10  # calibration bins over a drafter's score in [0, 1]
 DEPTH_BINS = 8  # for unscored nodes: one bin per depth, the last for everything deeper
 SCORED_DEPTH_BINS = 3  # for scored nodes: depth 1, 2, and 3 or deeper
+EXPLORE_EVIDENCE = 8.0  # samples a bin needs before pruning its nodes is trusted without exploring
 
 
 @dataclass
 class Calibration:
     """P(node accepted | parent accepted) per bin of what the drafter says (its score, or the node's
-    depth when it gives none): a Beta posterior per bin, its prior centred on the score itself (the
-    drafter's own belief) or on 0.5, with old evidence slowly forgotten so the estimate follows the
-    request in flight."""
+    depth within its source's run when it gives none: see :func:`source_depths`): a Beta posterior
+    per bin, its prior centred on the score itself (the drafter's own belief) or on 0.5, with old
+    evidence slowly forgotten so the estimate follows the request in flight."""
 
     prior_strength: float = 2.0
     forget: float = 0.995  # evidence weight kept per update (~200 verified nodes of memory)
@@ -78,6 +85,10 @@ class Calibration:
         strength = self.prior_strength
         posterior = (accepted + prior * strength) / (accepted + rejected + strength)
         return max(posterior, prior) if optimistic else posterior
+
+    def evidence(self, score: float | None, depth: int, source: str = "") -> float:
+        """How many (decayed) samples the node's bin holds."""
+        return sum(self.counts.get(self._bin(score, depth, source), (0.0, 0.0)))
 
     def update(self, score: float | None, depth: int, accepted: bool, source: str = "") -> None:
         key = self._bin(score, depth, source)
@@ -126,6 +137,7 @@ class Plan:
     expected_tokens: float  # committed tokens expected (bonus included)
     predicted_seconds: float  # the round's predicted verification time
     pruned: int = 0  # draft nodes within reach of the tokens left that it chose not to verify
+    explored: bool = False  # verified whole to learn of nodes that pruning would have dropped
 
 
 class Controller:
@@ -148,6 +160,7 @@ class Controller:
         negligible: float = 0.05,
         margin: float = 0.03,
         exploration: float = 0.015,
+        explore_share: float = 0.02,
         carry_backoff: bool = False,
     ):
         self.cost = cost
@@ -156,6 +169,10 @@ class Controller:
         # (up to 8 times it) until one probe's loss is at most this share of the rounds between probes
         self.exploration = exploration
         self.carry_backoff = carry_backoff
+        # the share of the time spent that may go to verifying nodes pruning would drop, while too
+        # little is known of them (see the module docstring)
+        self.explore_share = explore_share
+        self._explore_budget = 0.0  # seconds of extra verification exploring may still spend
         self.smoothing = smoothing  # weight of the newest round in the size and expectation averages
         # an asked round that verified nothing and whose drafting cost less than this share of a
         # plain step is a plain round in all but name: it is not held against the drafter
@@ -175,8 +192,17 @@ class Controller:
         self._losses: list[float] = []  # plain steps each recent asked round lost (negative: gained)
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
+        self._drafting = 0.0  # seconds of drafting per asked round, recently
 
     # ------------------------------------------------------------------ per request
+
+    def for_row(self) -> Controller:
+        """A controller for one row of a batch: its own back-off and goodput (per request), the
+        calibration and cost model shared with this one (what is learned per configuration)."""
+        row = copy.copy(self)
+        row.asked = copy.copy(self.asked)
+        row._losses = list(self._losses)
+        return row
 
     def start(self) -> None:
         if not self.carry_backoff:
@@ -197,20 +223,31 @@ class Controller:
     # ------------------------------------------------------------------ what to verify
 
     def plan(
-        self, draft: Draft, max_depth: int, prunable: bool = True, whole_sources: frozenset[str] = frozenset()
+        self,
+        draft: Draft,
+        max_depth: int,
+        prunable: bool = True,
+        whole_sources: frozenset[str] = frozenset(),
+        draft_seconds: float = 0.0,
     ) -> Plan:
         """The keep-mask over ``draft``'s nodes that maximises expected committed tokens per second;
-        nodes of ``whole_sources`` are kept whenever their parent is (see ``Drafter.whole_sources``)."""
+        nodes of ``whole_sources`` are kept whenever their parent is (see ``Drafter.whole_sources``).
+
+        ``draft_seconds``: what drafting this round took. It is part of the round's time, so an extra
+        node costs a smaller share of a round whose drafting was dear (issue #18: counting only the
+        forward, Ouroboros' phrases looked twice as dear as they were, beside a 0.5B draft model's
+        chain that takes 45% of the round)."""
         depths = draft.depths()
         scores = draft.scores if draft.scores is not None else [None] * len(draft)
         sources = draft.sources if draft.sources is not None else [""] * len(draft)
+        runs = source_depths(draft)
         reach = [0.0] * len(draft)  # P(node reached and accepted)
         by_parent: dict[int, list[int]] = {}
         for i, parent in enumerate(draft.parents):
             by_parent.setdefault(parent, []).append(i)
         for parent, children in by_parent.items():  # parents before children: reach[parent] is final
             above = 1.0 if parent < 0 else reach[parent]
-            chances = [self.calibration.estimate(scores[c], depths[c], sources[c], optimistic=self.probing)
+            chances = [self.calibration.estimate(scores[c], runs[c], sources[c], optimistic=self.probing)
                        if depths[c] <= max_depth else 0.0 for c in children]  # fmt: skip
             total = sum(chances)
             scale = 1.0 / total if total > 1.0 else 1.0  # siblings are exclusive: at most one is accepted
@@ -227,12 +264,36 @@ class Controller:
         if draft.probs is not None:
             keep = self._local_keep(draft, reach, depths, max_depth, whole)
         else:
-            keep = self._best_keep(reach, depths, whole)
+            keep = self._best_keep(reach, depths, whole, draft_seconds)
+        # sampled drafts use past rounds' drafting time (this round's may depend on what was sampled)
+        self._drafting += self.smoothing * (draft_seconds - self._drafting)
         kept = sum(keep)
+        explored = kept < within and self._explores(draft, keep, depths, runs, scores, sources, max_depth, kept, within)
+        if explored:
+            keep, kept = [d <= max_depth for d in depths], within
         expected = 1.0 + sum(r for r, k in zip(reach, keep, strict=True) if k)
-        return self._planned(Plan(keep, expected, self.cost(kept + 1), within - kept), kept)
+        return self._planned(Plan(keep, expected, self.cost(kept + 1), within - kept, explored), kept)
 
-    def _best_keep(self, reach: list[float], depths: list[int], whole: list[bool]) -> list[bool]:
+    def _explores(self, draft, keep, depths, runs, scores, sources, max_depth, kept, within) -> bool:
+        """Whether to verify the whole proposal this round instead of the pruned one: some dropped
+        node's bin holds too little evidence, and the budget covers the extra nodes. Only bins
+        (source, depth, score) decide, never a node's token, so sampled drafts stay exact."""
+        extra = self.cost(within + 1) - self.cost(kept + 1)
+        if extra > self._explore_budget:
+            return False
+        # the frontier of what pruning kept: a node below a dropped one is learnt of once its parent
+        # is (a node is calibrated only when its parent was accepted), so a phrase the target never
+        # takes costs exploring its first node's bin, not a whole tree every so often for ever
+        unknown = any(
+            not keep[i] and depths[i] <= max_depth and (parent < 0 or keep[parent])
+            and self.calibration.evidence(scores[i], runs[i], sources[i]) < EXPLORE_EVIDENCE
+            for i, parent in enumerate(draft.parents)
+        )  # fmt: skip
+        if unknown:
+            self._explore_budget -= max(extra, 0.0)
+        return unknown
+
+    def _best_keep(self, reach: list[float], depths: list[int], whole: list[bool], draft_seconds: float) -> list[bool]:
         """Deterministic drafts: the ``whole`` nodes, then the prefix of the other nodes, most likely
         first, with the best expected tokens per second. Reach never grows along a path, so every
         prefix of that order (ties broken by depth, then draft order) holds each node's parent."""
@@ -241,10 +302,11 @@ class Controller:
             (i for i in range(len(reach)) if reach[i] > 0 and not whole[i]), key=lambda i: (-reach[i], depths[i], i)
         )
         gained = sum(r for r, w in zip(reach, whole, strict=True) if w)
-        best_m, best_value = 0, (1.0 + gained) / (self.cost(fixed + 1) + self.overhead)
+        spent = self.overhead + draft_seconds
+        best_m, best_value = 0, (1.0 + gained) / (self.cost(fixed + 1) + spent)
         for m, node in enumerate(order, start=1):
             gained += reach[node]
-            value = (1.0 + gained) / (self.cost(fixed + m + 1) + self.overhead)
+            value = (1.0 + gained) / (self.cost(fixed + m + 1) + spent)
             if value > best_value:
                 best_m, best_value = m, value
         keep = list(whole)
@@ -263,7 +325,7 @@ class Controller:
         rounds: the gain one more node must bring to pay for its verification cost."""
         size = max(1, round(self._kept_size))
         extra = self.cost(size + 2) - self.cost(size + 1)
-        threshold = self._expected * max(extra, 0.0) / (self.cost(size + 1) + self.overhead)
+        threshold = self._expected * max(extra, 0.0) / (self.cost(size + 1) + self.overhead + self._drafting)
         keep = [False] * len(draft)
         for i, parent in enumerate(draft.parents):
             above = parent < 0 or keep[parent]
@@ -289,10 +351,22 @@ class Controller:
         forward_seconds: float,
         round_seconds: float,
         draft_seconds: float = 0.0,
+        rows: int = 1,
     ) -> None:
         """What the round cost and gave: calibration from the verified nodes, the cost model from the
-        forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included)."""
+        forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included).
+
+        ``rows`` > 1: the forward carried a batch. What the target accepts does not depend on the
+        batch, so calibration learns from it; the cost model and goodput describe one row's forward,
+        so they do not (the batch's own cost curve is issue #19's next step)."""
+        if rows > 1:
+            if draft is not None and len(tree) > 1:
+                self._calibrate(tree, path, draft)
+            return
         self.cost.observe(len(tree), forward_seconds)
+        # the exploring budget fills with the time spent; it never holds more than a few plain steps,
+        # so a long stretch without anything to explore does not become a burst of whole trees
+        self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / self.plain_rate())
         overhead = max(0.0, round_seconds - forward_seconds)
         if not asked:
             self.overhead += self.smoothing * (overhead - self.overhead)
@@ -323,11 +397,25 @@ class Controller:
         """Every verified node whose parent was accepted is a sample of P(accepted | parent accepted)."""
         on_path = set(path)
         scores, sources = draft.scores, draft.sources
-        depth = tree.depth
+        runs = source_depths(draft)
         for node in range(1, len(tree)):
             if tree.parents[node] not in on_path:
                 continue
             j = tree.source[node]
             score = scores[j] if scores is not None else None
             source = sources[j] if sources is not None else ""
-            self.calibration.update(score, depth[node], node in on_path, source)
+            self.calibration.update(score, runs[j], node in on_path, source)
+
+
+def source_depths(draft: Draft) -> list[int]:
+    """Each draft node's depth within the run of its own source: 1 for a node below the root or
+    below another drafter's node. Calibration bins by it, not by the depth in the tree: a phrase
+    that Ouroboros hangs below a chain of varying length starts with a guess and goes on with a
+    copy, wherever it starts (by tree depth, its first and later nodes shared bins and the guesses'
+    rejections made the whole phrase look bad)."""
+    sources = draft.sources
+    runs = [1] * len(draft)
+    for i, parent in enumerate(draft.parents):
+        if parent >= 0 and (sources is None or sources[parent] == sources[i]):
+            runs[i] = runs[parent] + 1
+    return runs

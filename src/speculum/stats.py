@@ -26,11 +26,13 @@ class Stats:
     wall_time: float = 0.0
     stop_reason: str = ""
     # the controller (speculum.controller), when on: rounds that asked the drafter, plain rounds it
-    # chose instead, draft nodes it did not verify, its own time, and what it expected of the
-    # rounds that asked (committed tokens, seconds) beside what they gave (tokens, seconds)
+    # chose instead, draft nodes it did not verify (and rounds it verified whole to learn), its own
+    # time, and what it expected of the rounds that asked (committed tokens, seconds) beside what
+    # they gave (tokens, seconds)
     rounds_drafted: int = 0
     rounds_plain: int = 0
     nodes_pruned: int = 0
+    rounds_explored: int = 0  # rounds verified whole to learn of nodes pruning would drop
     time_control: float = 0.0
     predicted_tokens: float = 0.0
     predicted_time: float = 0.0

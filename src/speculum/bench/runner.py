@@ -218,6 +218,7 @@ RECORD_KEYS = (
     "rounds_drafted",
     "rounds_plain",
     "nodes_pruned",
+    "rounds_explored",
     "time_control",
     "accepted_by",
     "equal_to_baseline",

@@ -144,6 +144,7 @@ def speculation_stats(method: str, stats: Stats, *, time_to_first_token: float |
                 "rounds_drafted": stats.rounds_drafted,
                 "rounds_plain": stats.rounds_plain,
                 "nodes_pruned": stats.nodes_pruned,
+                "rounds_explored": stats.rounds_explored,
             }
             if stats.rounds_drafted or stats.rounds_plain
             else {}
