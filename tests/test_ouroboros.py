@@ -139,7 +139,7 @@ def test_forget_drops_the_drafter_and_the_pools_no_other_drafter_uses(pair):
     spec.forget(speculum.SpeculativeConfig("ouroboros", **SMALL))
     assert {id(p) for p in spec._shared.values()} == {id(b.pool), id(c.pool)}  # b still uses the first pool
     spec.forget(speculum.SpeculativeConfig("ouroboros", **SMALL, num_phrase_candidates=1))
-    assert [id(p) for p in spec._shared.values()] == [id(c.pool)] and list(spec._drafters.values()) == [c]
+    assert [id(p) for p in spec._shared.values()] == [id(c.pool)] and spec.built_drafters() == [c]
     again = spec.drafter_for(speculum.SpeculativeConfig("ouroboros", **SMALL))
     assert again is not a and again.pool is not a.pool and len(again.pool) == 0  # starts afresh
 

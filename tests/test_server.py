@@ -690,7 +690,7 @@ def test_evicted_configurations_take_their_shared_pools_along():
         for n in range(2, 8):
             config = {"method": "ouroboros", **OUROBOROS, "ngram_size": n}
             speculation_of(client, {"prompt": "w5 w6 w7 w5 w6", "max_tokens": 4, "speculative_config": config})
-        pools = {id(d.pool) for d in spec._drafters.values() if hasattr(d, "pool")}
+        pools = {id(d.pool) for d in spec.built_drafters() if hasattr(d, "pool")}
         assert len(spec._drafters) == 2
         assert {id(p) for p in spec._shared.values()} == pools and len(pools) == 2
 

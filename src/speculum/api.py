@@ -62,7 +62,7 @@ class Speculum:
         self.name = name
         self.draft_name = draft_name
         self.runner = ModelRunner(model)
-        self._drafters: dict[tuple, Any] = {}
+        self._drafters: dict[tuple, list] = {}  # configuration -> its drafters (one per row of a batch)
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
         # prompts need this: a second Ouroboros setting would otherwise reuse the first one's phrases)
@@ -116,17 +116,30 @@ class Speculum:
 
     def drafter_for(self, config: SpeculativeConfig):
         """Drafters are built once per configuration and reused (their per-request state resets in start())."""
+        return self.drafters_for(config, 1)[0]
+
+    def drafters_for(self, config: SpeculativeConfig, rows: int) -> list:
+        """``rows`` drafters of ``config``, one per row of a batch (each keeps its own request's
+        state; pools such as Ouroboros' phrases are shared between them). Built once and reused."""
         key = config.key()
-        if key not in self._drafters:
-            used = self._shared_uses[key] = set()
-            namespace = key if self.pools_per_config else None
-            resources = replace(self.resources(), shared=_SharedView(self._shared, used, namespace))
-            try:
-                self._drafters[key] = config.drafter_class()(config.options(self.device_type), resources)
-            except BaseException:
-                del self._shared_uses[key]
-                raise
-        return self._drafters[key]
+        built = self._drafters.setdefault(key, [])
+        if key not in self._shared_uses:
+            self._shared_uses[key] = set()
+        namespace = key if self.pools_per_config else None
+        resources = replace(self.resources(), shared=_SharedView(self._shared, self._shared_uses[key], namespace))
+        try:
+            while len(built) < rows:
+                built.append(config.drafter_class()(config.options(self.device_type), resources))
+        except BaseException:
+            if not built:
+                del self._drafters[key], self._shared_uses[key]
+            raise
+        return built[:rows]
+
+    def built_drafters(self) -> list:
+        """One drafter per configuration built so far (the rows' drafters of a configuration share
+        its pools, so this one stands for them all)."""
+        return [built[0] for built in self._drafters.values() if built]
 
     @property
     def device_type(self) -> str:
@@ -181,7 +194,7 @@ class Speculum:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | list[Prompt],
         method: str | SpeculativeConfig | None = None,
         *,
         max_new_tokens: int = 128,
@@ -191,33 +204,93 @@ class Speculum:
         seed: int | None = None,
         stream: bool = False,
         **method_params: Any,
-    ) -> GenerationResult | GenerationStream:
+    ) -> GenerationResult | GenerationStream | list[GenerationResult] | BatchStream:
+        """Generate from one prompt, or from a list of prompts decoded together in one batch (one
+        result each, in order; a stream then yields ``(index, chunk)``). Every prompt of a batch
+        gives what it would give alone, seed included: ``seed`` seeds each row as it would seed
+        that prompt's own request."""
         config = SpeculativeConfig.coerce(self.default_config if method is None else method, **method_params)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        prompt_ids = self.encode_prompt(prompt)
-        drafter = self.drafter_for(config)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
-        generator = None
-        if not sampling.greedy:
-            # one generator, on the device where sampling happens (where the target's logits are);
-            # without a seed, fresh entropy that leaves torch's global RNG alone
-            generator = torch.Generator(device=self.runner.output_device)
-            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        stats = Stats()
+        batched = _is_batch(prompt)
+        prompts = [self.encode_prompt(p) for p in (prompt if batched else [prompt])]
         seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
         controller = self.controller_for(config, not sampling.greedy) if config.controlled(seeded_sampling) else None
+        requests = [
+            engine.Request(
+                ids, drafter, sampling, max_new_tokens, self.eos_token_ids, self._generator(sampling, seed),
+                controller=controller if controller is None or not batched else controller.for_row(),
+            )
+            for ids, drafter in zip(prompts, self.drafters_for(config, len(prompts)), strict=True)
+        ]  # fmt: skip
+        if batched:
+            return self._generate_batch(requests, config.method, stream)
+        request = requests[0]
         steps = engine.run(
-            self.runner, prompt_ids, drafter, sampling, max_new_tokens, self.eos_token_ids, generator, stats, controller
-        )
+            self.runner, request.prompt_ids, request.drafter, sampling, max_new_tokens, self.eos_token_ids,
+            request.generator, request.stats, controller,
+        )  # fmt: skip
         if not stream:
             new_ids = [token for step in steps for token in step]
-            return GenerationResult(self.decode(new_ids), new_ids, prompt_ids, stats, config.method)
+            return GenerationResult(self.decode(new_ids), new_ids, request.prompt_ids, request.stats, config.method)
         holder = GenerationStream(iter(()))
-        holder._chunks = self._stream(steps, prompt_ids, stats, config.method, holder)
+        holder._chunks = self._stream(steps, request.prompt_ids, request.stats, config.method, holder)
         return holder
+
+    def _generator(self, sampling: SamplingParams, seed: int | None) -> torch.Generator | None:
+        """One generator per request, on the device where sampling happens (where the target's
+        logits are); without a seed, fresh entropy that leaves torch's global RNG alone."""
+        if sampling.greedy:
+            return None
+        generator = torch.Generator(device=self.runner.output_device)
+        generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        return generator
+
+    def _generate_batch(
+        self, requests: list[engine.Request], method: str, stream: bool
+    ) -> list[GenerationResult] | BatchStream:
+        steps = engine.run_batch(self.runner, requests)
+        if not stream:
+            outputs: list[list[int]] = [[] for _ in requests]
+            for row, new in steps:
+                outputs[row].extend(new)
+            return [
+                GenerationResult(self.decode(ids), ids, r.prompt_ids, r.stats, method)
+                for ids, r in zip(outputs, requests, strict=True)
+            ]
+        holder = BatchStream(iter(()), [None] * len(requests))
+        holder._chunks = self._stream_batch(steps, requests, method, holder)
+        return holder
+
+    def _stream_batch(self, steps, requests, method: str, holder: BatchStream) -> Iterator[tuple[int, StreamChunk]]:
+        outputs: list[list[int]] = [[] for _ in requests]
+        texts = [IncrementalText(self.decode) for _ in requests]
+        accepted = [0] * len(requests)
+
+        def result(row: int) -> GenerationResult:
+            request = requests[row]
+            return GenerationResult(self.decode(outputs[row]), outputs[row], request.prompt_ids, request.stats, method)
+
+        try:
+            for row, step in steps:
+                outputs[row].extend(step)
+                stats = requests[row].stats
+                drafted = min(len(step), stats.accepted_tokens - accepted[row])
+                accepted[row] = stats.accepted_tokens
+                yield row, StreamChunk(texts[row].add(outputs[row]), step, drafted)
+                if stats.stop_reason:  # the row has finished (and left the batch)
+                    holder.results[row] = result(row)
+                    tail = texts[row].finish(holder.results[row].text)
+                    if tail:
+                        yield row, StreamChunk(tail, [])
+        except GeneratorExit:  # the reader closed the stream: every row ends now, with what it produced
+            steps.close()
+            for row in range(len(requests)):
+                holder.results[row] = holder.results[row] or result(row)
+            raise
 
     def _stream(self, steps, prompt_ids, stats, method, holder: GenerationStream) -> Iterator[StreamChunk]:
         new_ids: list[int] = []
@@ -242,6 +315,23 @@ class Speculum:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+@dataclass
+class BatchStream:
+    """Iterate for ``(index of the prompt, chunk)`` as each row's tokens are accepted; ``results[i]``
+    is set once row i ends."""
+
+    _chunks: Iterator[tuple[int, StreamChunk]]
+    results: list[GenerationResult | None]
+
+    def __iter__(self) -> Iterator[tuple[int, StreamChunk]]:
+        return self._chunks
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (texts, chat message lists or token id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
 class _SharedView(MutableMapping):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def new_cache() -> DynamicCache:
@@ -48,3 +49,90 @@ def keep_path(cache: DynamicCache, past_length: int, nodes: list[int]) -> None:
             gathered = rows.index_select(-2, index.to(rows.device))
             rows[..., past_length : past_length + len(nodes), :] = gathered
     crop(cache, past_length + len(nodes))
+
+
+# ------------------------------------------------------------------------------ rows of a batch
+#
+# A batch keeps its rows in one DynamicCache ``[B, heads, C, head_dim]`` per layer, aligned on the
+# left: row r's committed tokens but its last sit in columns [0, L_r) at their true positions
+# (column = position), and columns [L_r, C) of a shorter row are leftovers its masks never let it
+# see (docs/batching.md). L_r is the engine's to know; C is the longest row's length.
+
+
+def _keys_values(cache: DynamicCache, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer i's keys and values, or None where the layer holds nothing yet."""
+    if i >= len(cache.layers):
+        return None
+    layer = cache.layers[i]
+    keys = getattr(layer, "keys", None)
+    if not getattr(layer, "is_initialized", False) or keys is None or keys.dim() != 4:
+        return None
+    return keys, layer.values
+
+
+def _set_layer(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    while len(cache.layers) <= i:
+        cache.layers.append(DynamicLayer())
+    layer = cache.layers[i]
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+def _widen(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns appended up to ``width`` (leftovers no mask lets a row see)."""
+    missing = width - tensor.shape[-2]
+    if missing <= 0:
+        return tensor
+    shape = (*tensor.shape[:-2], missing, tensor.shape[-1])
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=-2)
+
+
+@torch.inference_mode()
+def join(cache: DynamicCache, rows: int, row: DynamicCache) -> None:
+    """Append the one-row cache ``row`` after the ``rows`` rows of ``cache``, the shorter side
+    widened with leftover columns."""
+    for i in range(max(len(cache.layers), len(row.layers))):
+        batch, new = _keys_values(cache, i), _keys_values(row, i)
+        if batch is None and new is None:
+            continue
+        like = batch if batch is not None else new
+        batch = batch if batch is not None else tuple(t.new_zeros((rows, *t.shape[1:2], 0, t.shape[3])) for t in like)
+        new = new if new is not None else tuple(t.new_zeros((1, *t.shape[1:2], 0, t.shape[3])) for t in like)
+        width = max(batch[0].shape[-2], new[0].shape[-2])
+        keys, values = (torch.cat([_widen(a, width), _widen(b, width)]) for a, b in zip(batch, new, strict=True))
+        _set_layer(cache, i, keys, values)
+
+
+@torch.inference_mode()
+def keep_rows(cache: DynamicCache, rows: list[int], length: int) -> None:
+    """Keep only ``rows`` (batch indices, in that order), cropped to ``length`` columns (the longest
+    of them)."""
+    for i in range(len(cache.layers)):
+        kv = _keys_values(cache, i)
+        if kv is None:
+            continue
+        index = torch.tensor(rows, dtype=torch.long, device=kv[0].device)
+        keys, values = (t.index_select(0, index)[..., :length, :] for t in kv)
+        _set_layer(cache, i, keys, values)
+
+
+@torch.inference_mode()
+def keep_paths(cache: DynamicCache, columns: int, lengths: list[int], paths: list[list[int]]) -> None:
+    """After a batched tree forward (every row's tree at columns [``columns``, ...)), keep each row's
+    accepted ``paths[r]`` (tree indices, ascending) at columns [L_r, L_r + len(path)), then crop
+    to the longest row. One indexed copy per layer moves every row's path at once."""
+    rows, sources, targets = [], [], []
+    for r, (length, path) in enumerate(zip(lengths, paths, strict=True)):
+        if path == list(range(len(path))) and length == columns:
+            continue  # a chain's prefix in a row as long as the longest: already in place
+        rows += [r] * len(path)
+        sources += [columns + node for node in path]
+        targets += range(length, length + len(path))
+    if rows:
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                r, source, target = (torch.tensor(x, device=tensor.device) for x in (rows, sources, targets))
+                tensor[r, :, target] = tensor[r, :, source]
+    crop(cache, max(length + len(path) for length, path in zip(lengths, paths, strict=True)))

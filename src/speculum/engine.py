@@ -1,25 +1,64 @@
 """The loop: prefill -> propose -> one target forward over a token tree -> verify -> commit -> observe.
 
-Every method runs through ``run``; the drafter is the only thing that changes. Invariant kept
-across steps: the target's cache holds every committed token but the last one (the tree's
-root), which is fed together with the draft in the next forward.
+Every method runs through :class:`Batch`; the drafter is the only thing that changes. A request is
+a row of a batch, and a lone request is a batch of one (``run``), which takes exactly the path of
+plain single-sequence decoding: its chains go through the model's own causal mask, nothing padded.
+Several rows (``run_batch``, the server) share one target forward per step that carries every
+row's tree; each row is verified, committed and observed on its own (ragged: one row accepts five
+tokens while another accepts none), and rows join and leave between steps (docs/batching.md).
+
+Invariant kept across steps: the target's cache holds every committed token of a row but the last
+one (the root of its next tree), which is fed together with the draft in the next forward.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from speculum import cache as cache_ops
 from speculum.controller import Controller
 from speculum.drafters.base import DraftContext, Drafter, Outcome, TargetOutputs
 from speculum.errors import InvalidInputError
-from speculum.runner import ModelRunner
+from speculum.runner import ModelRunner, StepOutput
 from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 from speculum.tree import MAX_DRAFT_NODES, TokenTree
-from speculum.verify import verify
+from speculum.verify import Verdict, verify
+
+
+@dataclass
+class Request:
+    """One generation: what a row of a batch decodes, and with what."""
+
+    prompt_ids: list[int]
+    drafter: Drafter
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    stats: Stats = field(default_factory=Stats)
+    controller: Controller | None = None  # decides what to draft and verify (None: the proposal as it is)
+
+
+def check(runner: ModelRunner, request: Request) -> Request:
+    """Refuse bad input with one clear error (at the call, not at the first step); the request with
+    ``max_new_tokens`` cut to what the model's context leaves."""
+    prompt_ids, max_new_tokens = request.prompt_ids, request.max_new_tokens
+    if not prompt_ids:
+        raise InvalidInputError("the prompt is empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    context = runner.max_positions
+    if context is not None and len(prompt_ids) >= context:
+        raise InvalidInputError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
+    if context is not None:
+        max_new_tokens = min(max_new_tokens, context - len(prompt_ids))
+    request.drafter.check(request.sampling)
+    return replace(request, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
 
 
 def run(
@@ -33,139 +72,236 @@ def run(
     stats: Stats | None = None,
     controller: Controller | None = None,
 ) -> Iterator[list[int]]:
-    """Generate; the returned iterator yields the tokens committed at each step and fills ``stats``.
-
-    ``controller``: decides each round whether to draft and which draft nodes to verify (None: the
-    drafter's proposal is verified as it is). Bad input is refused here, at the call, not at the
-    first iteration.
-    """
-    if not prompt_ids:
-        raise InvalidInputError("the prompt is empty")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    context = runner.max_positions
-    if context is not None and len(prompt_ids) >= context:
-        raise InvalidInputError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}")
-    if context is not None:
-        max_new_tokens = min(max_new_tokens, context - len(prompt_ids))
-    drafter.check(sampling)
+    """Generate one request; the returned iterator yields the tokens committed at each step and
+    fills ``stats``. ``controller``: decides each round whether to draft and which draft nodes to
+    verify (None: the drafter's proposal is verified as it is)."""
     stats = stats if stats is not None else Stats()
-    return _steps(
-        runner, list(prompt_ids), drafter, sampling, max_new_tokens, eos_token_ids, generator, stats, controller
-    )
+    request = Request(prompt_ids, drafter, sampling, max_new_tokens, eos_token_ids, generator, stats, controller)
+    return _one(runner, check(runner, request))
 
 
-def _steps(
-    runner: ModelRunner,
-    tokens: list[int],
-    drafter: Drafter,
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    eos_token_ids: frozenset[int],
-    generator: torch.Generator | None,
-    stats: Stats,
-    controller: Controller | None,
-) -> Iterator[list[int]]:
-    start = time.perf_counter()
-    stats.prompt_tokens = len(tokens)
-    hidden = drafter.wants_hidden_states
-    cache = runner.new_cache()
-    prefill_hidden = runner.prefill(cache, tokens[:-1], hidden=hidden)
-    ctx = DraftContext(
-        tokens, len(tokens), sampling, generator, 0, eos_token_ids, runner.output_device, prefill_hidden,
-        wants_scores=controller is not None,
-    )  # fmt: skip
-    t = time.perf_counter()
-    stats.time_prefill = t - start
-    drafter.start(ctx)
-    if controller is not None:
-        controller.start()
-    stats.time_draft += time.perf_counter() - t
+def run_batch(runner: ModelRunner, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
+    """Generate several requests together; the iterator yields ``(index of the request, tokens it
+    committed this step)`` and fills each request's stats. Each row's output is its output alone."""
+    checked = [check(runner, request) for request in requests]
+    return _many(runner, checked)
 
+
+def _one(runner: ModelRunner, request: Request) -> Iterator[list[int]]:
+    batch = Batch(runner)
+    row = batch.join(request)
     try:
-        while True:
-            ctx.max_depth = max_new_tokens - stats.new_tokens - 1
-            t0 = time.perf_counter()
-            asked = ctx.max_depth > 0 and (controller is None or controller.wants_draft())
-            draft = drafter.propose(ctx) if asked else None
-            t1 = time.perf_counter()
-            keep = None
-            if controller is not None and draft is not None and len(draft):
-                plan = controller.plan(draft, ctx.max_depth, drafter.prunable, drafter.whole_sources)
-                keep = plan.keep
-                stats.nodes_pruned += plan.pruned
-                stats.predicted_tokens += plan.expected_tokens
-                stats.predicted_time += plan.predicted_seconds + (t1 - t0)
-            tc = time.perf_counter()
-            tree = TokenTree.from_draft(tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
-            past = len(tokens) - 1
-            out = runner.forward(cache, tree, hidden=hidden)
-            verdict = verify(tree, out.logits, sampling, generator)
-            runner.commit(cache, past, verdict.path)
-            t2 = time.perf_counter()
-
-            accepted = [tree.tokens[i] for i in verdict.path[1:]]
-            new, stop = accepted + [verdict.next_token], ""
-            for i, token in enumerate(new):
-                if token in eos_token_ids:
-                    new, stop = new[: i + 1], "eos"
-                    break
-            if len(new) >= max_new_tokens - stats.new_tokens:
-                new, stop = new[: max_new_tokens - stats.new_tokens], stop or "length"
-            tokens.extend(new)
-            stats.new_tokens += len(new)
-            if draft is not None and draft.sources is not None:
-                for node in verdict.path[1 : 1 + min(verdict.num_accepted, len(new))]:
-                    by = draft.sources[tree.source[node]]
-                    stats.accepted_by[by] = stats.accepted_by.get(by, 0) + 1
-            stats.count_step(len(tree) - 1, max(tree.depth), verdict.num_accepted, len(new))
-            t3 = time.perf_counter()
-            if not stop:
-                path_hidden = out.hidden[verdict.path] if out.hidden is not None else None
-                outcome = Outcome(
-                    accepted,
-                    tree.draft_path(verdict.path, draft) if draft is not None else [],
-                    verdict.next_token,
-                    len(tree) - 1,
-                    draft,
-                    TargetOutputs(tree, out.logits, sampling, path_hidden, verdict.argmax),
-                )
-                drafter.observe(ctx, outcome)
-            t4 = time.perf_counter()
-            if controller is not None:
-                controller.observe_round(
-                    tree,
-                    verdict.path,
-                    draft,
-                    asked=asked,
-                    committed=len(new),
-                    forward_seconds=t2 - tc,
-                    round_seconds=t4 - t0,
-                    draft_seconds=(t1 - t0) + (t4 - t3),
-                )
-                if asked:
-                    stats.rounds_drafted += 1
-                    stats.drafted_round_tokens += len(new)
-                    stats.drafted_round_time += t4 - t0
-                else:
-                    stats.rounds_plain += 1
-                stats.time_control += (tc - t1) + (time.perf_counter() - t4)
-            stats.time_draft += (t1 - t0) + (t4 - t3)
-            stats.time_verify += t2 - tc
-            stats.draft_forwards = drafter.forwards
-            stats.wall_time = time.perf_counter() - start
-            stats.time_other = (
-                stats.wall_time - stats.time_prefill - stats.time_draft - stats.time_verify - stats.time_control
-            )
-            stats.stop_reason = stop
-            yield new
-            if stop:
-                break
+        while not row.done:
+            for _, new in batch.step():
+                yield new
     except GeneratorExit:  # the caller stopped reading (a closed stream): the request still ends
-        stats.stop_reason = stats.stop_reason or "cancelled"
-        drafter.finish(ctx)
+        if not row.done:
+            batch.leave(row, "cancelled")
         raise
-    drafter.finish(ctx)
 
 
-__all__ = ["Stats", "run"]
+def _many(runner: ModelRunner, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
+    batch = Batch(runner)
+    index = {id(batch.join(request)): i for i, request in enumerate(requests)}
+    try:
+        while batch.rows:
+            for row, new in batch.step():
+                yield index[id(row)], new
+    except GeneratorExit:
+        for row in list(batch.rows):
+            batch.leave(row, "cancelled")
+        raise
+
+
+class Row:
+    """A request in flight: its committed tokens, what its drafter reads, and this step's draft."""
+
+    def __init__(self, request: Request, ctx: DraftContext, started: float):
+        self.request = request
+        self.ctx = ctx
+        self.tokens = ctx.tokens  # prompt + generated; the last one is the next tree's root
+        self.stats = request.stats
+        self.started = started
+        self.done = False
+        # this step: whether the drafter was asked, its draft, the tree verified, and when
+        self.asked = False
+        self.draft = None
+        self.tree: TokenTree | None = None
+        self.t0 = self.t1 = self.tc = 0.0
+
+    @property
+    def cached(self) -> int:
+        """Columns of the row in the target's cache: every committed token but the root."""
+        return len(self.tokens) - 1
+
+    def propose(self) -> None:
+        """Ask the drafter (unless the controller takes a plain step) and build the tree to verify."""
+        request, ctx, stats = self.request, self.ctx, self.stats
+        controller = request.controller
+        ctx.max_depth = request.max_new_tokens - stats.new_tokens - 1
+        self.t0 = time.perf_counter()
+        self.asked = ctx.max_depth > 0 and (controller is None or controller.wants_draft())
+        draft = self.draft = request.drafter.propose(ctx) if self.asked else None
+        self.t1 = time.perf_counter()
+        keep = None
+        if controller is not None and draft is not None and len(draft):
+            drafter = request.drafter
+            plan = controller.plan(
+                draft, ctx.max_depth, drafter.prunable, drafter.whole_sources, draft_seconds=self.t1 - self.t0
+            )
+            keep = plan.keep
+            stats.nodes_pruned += plan.pruned
+            stats.rounds_explored += plan.explored
+            stats.predicted_tokens += plan.expected_tokens
+            stats.predicted_time += plan.predicted_seconds + (self.t1 - self.t0)
+        self.tc = time.perf_counter()
+        self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
+
+    def verify(self, out: StepOutput) -> Verdict:
+        return verify(self.tree, out.logits, self.request.sampling, self.request.generator)
+
+    def commit(self, verdict: Verdict, out: StepOutput, t2: float, rows: int) -> list[int]:
+        """Take the verdict's tokens (cut at EOS and at the length asked), observe, keep the stats;
+        the tokens committed. ``t2``: when the shared forward and commit ended; ``rows``: how many
+        rows it carried."""
+        request, ctx, stats, tree, draft = self.request, self.ctx, self.stats, self.tree, self.draft
+        accepted = [tree.tokens[i] for i in verdict.path[1:]]
+        new, stop = accepted + [verdict.next_token], ""
+        for i, token in enumerate(new):
+            if token in request.eos_token_ids:
+                new, stop = new[: i + 1], "eos"
+                break
+        left = request.max_new_tokens - stats.new_tokens
+        if len(new) >= left:
+            new, stop = new[:left], stop or "length"
+        self.tokens.extend(new)
+        stats.new_tokens += len(new)
+        if draft is not None and draft.sources is not None:
+            for node in verdict.path[1 : 1 + min(verdict.num_accepted, len(new))]:
+                by = draft.sources[tree.source[node]]
+                stats.accepted_by[by] = stats.accepted_by.get(by, 0) + 1
+        stats.count_step(len(tree) - 1, max(tree.depth), verdict.num_accepted, len(new))
+        t3 = time.perf_counter()
+        if not stop:
+            path_hidden = out.hidden[verdict.path] if out.hidden is not None else None
+            outcome = Outcome(
+                accepted,
+                tree.draft_path(verdict.path, draft) if draft is not None else [],
+                verdict.next_token,
+                len(tree) - 1,
+                draft,
+                TargetOutputs(tree, out.logits, request.sampling, path_hidden, verdict.argmax),
+            )
+            request.drafter.observe(ctx, outcome)
+        t4 = time.perf_counter()
+        own_draft = (self.t1 - self.t0) + (t4 - t3)
+        controller = request.controller
+        if controller is not None:
+            controller.observe_round(
+                tree,
+                verdict.path,
+                draft,
+                asked=self.asked,
+                committed=len(new),
+                forward_seconds=t2 - self.tc,
+                round_seconds=t4 - self.t0,
+                draft_seconds=own_draft,
+                rows=rows,
+            )
+            if self.asked:
+                stats.rounds_drafted += 1
+                stats.drafted_round_tokens += len(new)
+                stats.drafted_round_time += t4 - self.t0
+            else:
+                stats.rounds_plain += 1
+            stats.time_control += (self.tc - self.t1) + (time.perf_counter() - t4)
+        stats.time_draft += own_draft
+        stats.time_verify += t2 - self.tc
+        stats.draft_forwards = request.drafter.forwards
+        stats.wall_time = time.perf_counter() - self.started
+        spent = stats.time_prefill + stats.time_draft + stats.time_verify + stats.time_control
+        stats.time_other = stats.wall_time - spent
+        stats.stop_reason = stop
+        self.done = bool(stop)
+        return new
+
+
+class Batch:
+    """Rows decoded together: each step, one target forward carries every row's tree.
+
+    Rows join (after their own prefill) and leave (finished, cancelled) between steps; a row's
+    output does not depend on what else is in the batch (greedy: up to the batch's float rounding)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.rows: list[Row] = []
+        self.cache = runner.new_cache()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, request: Request) -> Row:
+        """Prefill ``request`` (alone) and add it as a row; ``request`` must have passed :func:`check`."""
+        started = time.perf_counter()
+        stats, drafter, controller = request.stats, request.drafter, request.controller
+        tokens = list(request.prompt_ids)
+        stats.prompt_tokens = len(tokens)
+        cache = self.runner.new_cache()
+        prefill_hidden = self.runner.prefill(cache, tokens[:-1], hidden=drafter.wants_hidden_states)
+        if self.rows:
+            cache_ops.join(self.cache, len(self.rows), cache)
+        else:
+            self.cache = cache
+        ctx = DraftContext(
+            tokens, len(tokens), request.sampling, request.generator, 0, request.eos_token_ids,
+            self.runner.output_device, prefill_hidden, wants_scores=controller is not None,
+        )  # fmt: skip
+        t = time.perf_counter()
+        stats.time_prefill = t - started
+        drafter.start(ctx)
+        if controller is not None:
+            controller.start()
+        stats.time_draft += time.perf_counter() - t
+        row = Row(request, ctx, started)
+        self.rows.append(row)
+        return row
+
+    def leave(self, row: Row, reason: str = "") -> None:
+        """Remove ``row`` now (its cache columns too); ``reason`` is its stop reason if it had none."""
+        others = [i for i, r in enumerate(self.rows) if r is not row]
+        if len(others) == len(self.rows):
+            return
+        if others:
+            cache_ops.keep_rows(self.cache, others, max(self.rows[i].cached for i in others))
+        else:
+            self.cache = self.runner.new_cache()
+        self.rows = [self.rows[i] for i in others]
+        row.done = True
+        row.stats.stop_reason = row.stats.stop_reason or reason
+        row.request.drafter.finish(row.ctx)
+
+    def step(self) -> list[tuple[Row, list[int]]]:
+        """One round for every row: the tokens each committed (finished rows have left after it)."""
+        rows = list(self.rows)
+        for row in rows:
+            row.propose()
+        lengths = [row.cached for row in rows]
+        hidden = any(row.request.drafter.wants_hidden_states for row in rows)
+        if len(rows) == 1:  # plain single-sequence decoding's path (a lone row is as long as the cache)
+            outs = [self.runner.forward(self.cache, rows[0].tree, hidden=hidden)]
+            verdicts = [rows[0].verify(outs[0])]
+            self.runner.commit(self.cache, lengths[0], verdicts[0].path)
+        else:
+            columns = cache_ops.cache_length(self.cache)
+            outs = self.runner.forward_rows(self.cache, [row.tree for row in rows], lengths, hidden=hidden)
+            verdicts = [row.verify(out) for row, out in zip(rows, outs, strict=True)]
+            self.runner.commit_rows(self.cache, columns, lengths, [v.path for v in verdicts])
+        t2 = time.perf_counter()
+        committed = [(row, row.commit(v, out, t2, len(rows))) for row, v, out in zip(rows, verdicts, outs, strict=True)]
+        for row, _ in committed:
+            if row.done:
+                self.leave(row)
+        return committed
+
+
+__all__ = ["Batch", "Request", "Row", "Stats", "check", "run", "run_batch"]

@@ -163,6 +163,10 @@ class ModelRunner:
         """Keep only the accepted path's keys/values after a tree forward."""
         cache_ops.keep_path(cache, past_length, path)
 
+    def commit_rows(self, cache, columns: int, lengths: list[int], paths: list[list[int]]) -> None:
+        """After :meth:`forward_rows`: keep each row's accepted path (see ``cache.keep_paths``)."""
+        cache_ops.keep_paths(cache, columns, lengths, paths)
+
     @torch.inference_mode()
     def prefill(self, cache, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
         """Put ``token_ids`` in the cache; their last hidden states ``[len, hidden]`` if asked for."""
@@ -215,6 +219,53 @@ class ModelRunner:
         states = out.hidden_states[-1][0] if hidden else None
         return StepOutput(out.logits[0].to(self.output_device), states)
 
+    @torch.inference_mode()
+    def forward_rows(
+        self, cache, trees: list[TokenTree], lengths: list[int], *, hidden: bool = False
+    ) -> list[StepOutput]:
+        """One forward over every row's tree (a batch: see ``cache.keep_paths`` for the layout).
+
+        Row r's tree goes after its ``lengths[r]`` cached columns; trees smaller than the largest
+        are padded with nodes that see only themselves."""
+        columns = cache_ops.cache_length(cache)
+        rows, n = len(trees), max(len(tree) for tree in trees)
+        device = self.input_device
+        ids = torch.zeros(rows, n, dtype=torch.long)
+        positions = torch.zeros(rows, n, dtype=torch.long)
+        allowed = torch.zeros(rows, n, columns + n, dtype=torch.bool)
+        allowed[:, :, columns:] = torch.eye(n, dtype=torch.bool)  # padding nodes see themselves only
+        for r, (tree, length) in enumerate(zip(trees, lengths, strict=True)):
+            size = len(tree)
+            ids[r, :size] = torch.tensor(tree.tokens)
+            ids[r, size:] = tree.tokens[0]
+            positions[r, :size] = tree.position_ids(length)
+            positions[r, size:] = length
+            allowed[r, :, :length] = True  # the row's own cache (its leftover columns stay masked)
+            allowed[r, :size, columns : columns + size] = tree.ancestor_mask
+        positions = positions.to(device)
+        inputs = dict(
+            input_ids=ids.to(device),
+            position_ids=positions,
+            attention_mask=self.attention_mask(allowed.to(device), positions),
+            use_cache=True,
+            **with_cache(self.model, cache),
+        )
+        if self.split_head and (hidden or self.lazy_head):
+            states = self.model.model(**inputs).last_hidden_state
+            outputs = []
+            for r, tree in enumerate(trees):
+                rows_states = states[r, : len(tree)]
+                lazy = self.lazy_head and len(tree) > 1
+                logits = LazyLogits(rows_states, self._head) if lazy else self._head(rows_states)
+                outputs.append(StepOutput(logits, rows_states if hidden else None))
+            return outputs
+        out = self.model(**inputs, output_hidden_states=hidden)
+        logits = out.logits.to(self.output_device)
+        return [
+            StepOutput(logits[r, : len(tree)], out.hidden_states[-1][r, : len(tree)] if hidden else None)
+            for r, tree in enumerate(trees)
+        ]
+
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(hidden)
         if self.softcap is not None:
@@ -230,22 +281,27 @@ class ModelRunner:
 
     def attention_mask(self, allowed: torch.Tensor, positions: torch.Tensor):
         """The additive mask for new tokens at ``positions`` that may see the keys ``allowed`` says
-        (``[n, past + n]``, cache first), with each layer kind's sliding window applied."""
-        n = len(positions)
-        past = allowed.shape[1] - n
+        (``[n, past + n]``, cache first; or ``[rows, n, past + n]`` with ``positions`` ``[rows, n]``
+        for a batch, whose cached columns are at their own positions), with each layer kind's
+        sliding window applied."""
+        n = positions.shape[-1]
+        past = allowed.shape[-1] - n
         masks = {}
         for kind, window in self.windows.items():
-            if window is None or past + n <= window:
+            if window is None or int(positions.max()) < window:
                 masks[kind] = allowed
             else:
-                key_positions = torch.cat([torch.arange(past, device=self.input_device), positions])
-                masks[kind] = allowed & (positions[:, None] - key_positions[None, :] < window)
+                cached = torch.arange(past, device=self.input_device).expand(*positions.shape[:-1], past)
+                key_positions = torch.cat([cached, positions], dim=-1)
+                masks[kind] = allowed & (positions[..., :, None] - key_positions[..., None, :] < window)
         additive = {kind: self._additive(mask) for kind, mask in masks.items()}
         return next(iter(additive.values())) if len(additive) == 1 else additive
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``[1, 1, n, keys]`` for one row, ``[rows, 1, n, keys]`` for a batch."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None] if mask.dim() == 2 else mask[:, None]
 
 
 class LazyLogits:

@@ -409,7 +409,7 @@ def save_pools(spec: Speculum, metrics: Metrics | None = None) -> list[str]:
     (and counted in ``metrics``), the others are still saved.
     """
     saved = []
-    for drafter in list(spec._drafters.values()):
+    for drafter in spec.built_drafters():
         path = getattr(getattr(drafter, "options", None), "pool_path", None)
         if path is None or not hasattr(drafter, "save"):
             continue

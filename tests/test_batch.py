@@ -1,0 +1,213 @@
+"""Batched decoding (issue #19): rows of different lengths share one target forward per step, join
+and leave mid-way, and each row's output is exactly its single-request output."""
+
+import pytest
+import torch
+
+import speculum
+from speculum import cache as cache_ops
+from speculum import engine
+from speculum.controller import Controller
+from speculum.costs import CostModel
+from speculum.engine import Batch, Request
+from speculum.errors import InvalidInputError
+from speculum.runner import ModelRunner
+from speculum.sampling import SamplingParams
+
+from helpers import RandomTreeDrafter, build_drafter, save_random_heads
+from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model, word_tokenizer
+
+# prompts of different lengths (one of a single token: its row starts with an empty cache), and
+# different lengths asked, so rows finish and leave at different steps
+PROMPTS = [repetitive_prompt(24, 5, 0), [7], repetitive_prompt(9, 4, 2), repetitive_prompt(40, 7, 1)]
+LENGTHS = [30, 12, 24, 6]
+OUROBOROS_SMALL = {"num_speculative_tokens": 4, "window_size": 3, "ngram_size": 3, "guess_set_size": 3}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    heads = {kind: save_random_heads(kind, model, path / kind) for kind in ("medusa", "ctc")}
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    return request.param, model, perturbed_copy(model, scale=0.4), heads, refs
+
+
+def make(method, model, draft, heads, ref, row):
+    """A fresh drafter of ``method`` for one row (rows keep their own per-request state)."""
+    if method == "random_tree":
+        return RandomTreeDrafter(ref, VOCAB, seed=row)
+    params = {
+        "anpd": {"tree": True, "adaptive": True},
+        "lookahead": {"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "pool_from_prompt": True},
+        "draft_model": {"num_speculative_tokens": 4},
+        "ouroboros": OUROBOROS_SMALL,
+        "medusa": {"heads": heads["medusa"]},
+        "ctc": {"heads": heads["ctc"]},
+    }.get(method, {})
+    uses_draft = method in ("draft_model", "ouroboros", "auto")
+    return build_drafter(method, draft if uses_draft else None, VOCAB, target=model, **params)
+
+
+def run_rows(model, drafters, lengths=LENGTHS, prompts=PROMPTS, controllers=None):
+    requests = [
+        Request(p, d, SamplingParams(), n, controller=None if controllers is None else controllers[i])
+        for i, (p, d, n) in enumerate(zip(prompts, drafters, lengths, strict=True))
+    ]
+    outputs = [[] for _ in requests]
+    for row, new in engine.run_batch(ModelRunner(model), requests):
+        outputs[row].extend(new)
+    return outputs, [r.stats for r in requests]
+
+
+METHODS = ["autoregressive", "prompt_lookup", "anpd", "lookahead", "draft_model", "ouroboros", "medusa", "ctc",
+           "auto", "random_tree"]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_row_gives_its_single_request_output(arch, method):
+    name, model, draft, heads, refs = arch
+    if method in ("medusa", "ctc") and name == "gpt2":
+        pytest.skip("the test heads read a plain-head architecture's hidden states")
+    drafters = [make(method, model, draft, heads, ref, i) for i, ref in enumerate(refs)]
+    outputs, stats = run_rows(model, drafters)
+    assert outputs == refs
+    assert [s.new_tokens for s in stats] == LENGTHS
+    assert all(s.stop_reason == "length" for s in stats)
+    if method != "autoregressive":
+        assert sum(s.drafted_tokens for s in stats) > 0
+
+
+def test_rows_of_different_methods_share_the_forward(arch):
+    name, model, draft, heads, refs = arch
+    methods = ["anpd", "draft_model", "random_tree", "autoregressive"]
+    drafters = [make(m, model, draft, heads, ref, i) for i, (m, ref) in enumerate(zip(methods, refs, strict=True))]
+    outputs, stats = run_rows(model, drafters)
+    assert outputs == refs
+    assert stats[3].mean_acceptance_length == 1.0 and stats[2].accepted_tokens > 0
+
+
+def test_rows_join_and_leave_mid_way():
+    model = tiny_model("gemma3")  # sliding-window layers: windows apply per row
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    runner = ModelRunner(model)
+    batch = Batch(runner)
+    requests = [Request(p, build_drafter("anpd"), SamplingParams(), n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    outputs = {}
+    rows = [batch.join(requests[0]), batch.join(requests[1])]
+    steps = 0
+    while batch.rows:
+        steps += 1
+        if steps == 3:
+            rows.append(batch.join(requests[2]))  # joins a running batch
+        if steps == 5:
+            rows.append(batch.join(requests[3]))
+        if steps == 4:
+            batch.leave(rows[1], "cancelled")  # a client disconnected: its row goes at once
+        for row, new in batch.step():
+            outputs.setdefault(id(row), []).extend(new)
+    got = [outputs.get(id(row), []) for row in rows]
+    assert got[0] == refs[0] and got[2] == refs[2] and got[3] == refs[3]
+    assert got[1] == refs[1][: len(got[1])] and requests[1].stats.stop_reason == "cancelled"
+    assert cache_ops.cache_length(batch.cache) == 0  # every row left: nothing kept
+
+
+def test_a_long_batch_with_eos_and_a_finished_row_each_step():
+    model = tiny_model("qwen2")
+    prompts = [repetitive_prompt(5 + 3 * i, 3 + i % 4, i) for i in range(8)]
+    lengths = [1 + 3 * i for i in range(8)]
+    refs = [reference_greedy(model, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    eos = refs[5][4]  # row 5 stops at its first occurrence of this token
+    stops = [frozenset({eos} if i == 5 else ()) for i in range(8)]
+    requests = [
+        Request(p, build_drafter("prompt_lookup"), SamplingParams(), n, eos_token_ids=stop)
+        for p, n, stop in zip(prompts, lengths, stops, strict=True)
+    ]
+    outputs = [[] for _ in requests]
+    for row, new in engine.run_batch(ModelRunner(model), requests):
+        outputs[row].extend(new)
+    cut = refs[5].index(eos) + 1
+    assert outputs[5] == refs[5][:cut] and requests[5].stats.stop_reason == "eos"
+    assert [o for i, o in enumerate(outputs) if i != 5] == [r for i, r in enumerate(refs) if i != 5]
+
+
+def test_controlled_rows_stay_exact_and_calibrate():
+    model = tiny_model("llama")
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    controller = Controller(CostModel([(1, 0.010), (64, 0.011)]))
+    drafters = [build_drafter("anpd") for _ in PROMPTS]
+    outputs, stats = run_rows(model, drafters, controllers=[controller] * len(PROMPTS))
+    assert outputs == refs
+    assert controller.calibration.counts  # batched rounds teach the calibration what the target accepts
+    assert sum(s.rounds_drafted for s in stats) > 0
+
+
+def test_sampled_rows_give_their_seeded_single_request_text():
+    model = tiny_model("llama")
+    sampling = SamplingParams(temperature=0.9, top_k=20)
+
+    def generator(seed):
+        return torch.Generator().manual_seed(seed)
+
+    single = []
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
+        steps = engine.run(ModelRunner(model), p, build_drafter("anpd"), sampling, n, generator=generator(i))
+        single.append([t for step in steps for t in step])
+    requests = [
+        Request(p, build_drafter("anpd"), sampling, n, generator=generator(i))
+        for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))
+    ]
+    outputs = [[] for _ in requests]
+    for row, new in engine.run_batch(ModelRunner(model), requests):
+        outputs[row].extend(new)
+    assert outputs == single
+
+
+# ---------------------------------------------------------------- the Python API
+
+
+@pytest.fixture(scope="module")
+def spec():
+    target = tiny_model("llama")
+    return speculum.Speculum(target, word_tokenizer(), perturbed_copy(target), word_tokenizer())
+
+
+TEXTS = ["w5 w6 w7 w8 w5 w6 w7 w8 w5", "w9 w10", [{"role": "user", "content": "w3 w4 w3 w4"}], [4, 5, 6]]
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "anpd", "draft_model", "auto"])
+def test_generate_takes_a_list_of_prompts_and_returns_one_result_each(spec, method):
+    alone = [spec.generate(p, method, max_new_tokens=16) for p in TEXTS]
+    together = spec.generate(TEXTS, method, max_new_tokens=16)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert all(r.stats.new_tokens == 16 and r.method == method for r in together)
+
+
+def test_a_seeded_batch_gives_each_prompt_its_seeded_text(spec):
+    alone = [spec.generate(p, "anpd", max_new_tokens=12, temperature=1.0, seed=7).token_ids for p in TEXTS]
+    together = spec.generate(TEXTS, "anpd", max_new_tokens=12, temperature=1.0, seed=7)
+    assert [r.token_ids for r in together] == alone
+
+
+def test_a_batch_streams_index_and_chunk(spec):
+    stream = spec.generate(TEXTS[:3], "prompt_lookup", max_new_tokens=10, stream=True)
+    texts = ["", "", ""]
+    for row, chunk in stream:
+        texts[row] += chunk.text
+    expected = spec.generate(TEXTS[:3], "prompt_lookup", max_new_tokens=10)
+    assert texts == [r.text for r in expected] == [r.text for r in stream.results]
+
+
+def test_a_closed_batch_stream_ends_every_row(spec):
+    stream = spec.generate(TEXTS, "anpd", max_new_tokens=30, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream._chunks.close()
+    assert all(r is not None and r.stats.stop_reason == "cancelled" for r in stream.results)
+    assert spec.generate("w5 w6", "anpd", max_new_tokens=4).stats.new_tokens == 4  # the drafters are free again
+
+
+def test_a_bad_prompt_in_a_batch_is_refused_before_anything_runs(spec):
+    with pytest.raises(InvalidInputError, match="empty"):
+        spec.generate(["w5 w6", "  "], "anpd", max_new_tokens=4)
