@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--params", default="{}", help="the method's parameters, as a JSON object")
     parser.add_argument("--api-key")
     parser.add_argument("--max-queue", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
@@ -109,7 +110,11 @@ def main() -> None:
     spec = build_spec(args.step_delay)
     spec.default_config = SpeculativeConfig.coerce(args.method, **json.loads(args.params))
     settings = ServerSettings(
-        api_key=args.api_key, max_queue=args.max_queue, request_timeout=args.request_timeout, max_tokens_limit=1024
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        request_timeout=args.request_timeout,
+        max_tokens_limit=1024,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

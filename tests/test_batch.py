@@ -211,3 +211,33 @@ def test_a_closed_batch_stream_ends_every_row(spec):
 def test_a_bad_prompt_in_a_batch_is_refused_before_anything_runs(spec):
     with pytest.raises(InvalidInputError, match="empty"):
         spec.generate(["w5 w6", "  "], "anpd", max_new_tokens=4)
+
+
+def test_a_prompt_prefilled_in_chunks_between_steps_drafts_as_if_prefilled_at_once(tmp_path):
+    model = tiny_model("llama")
+    heads = save_random_heads("medusa", model, tmp_path / "m")  # medusa reads the prefill's hidden states
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+
+    def drafter():
+        return build_drafter("medusa", target=model, heads=heads)
+
+    outputs, at_once = run_rows(model, [drafter() for _ in PROMPTS])
+    assert outputs == refs
+    batch = Batch(ModelRunner(model))
+    requests = [Request(p, drafter(), SamplingParams(), n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    rows = [batch.join(requests[0])]
+    joining = engine.Joining(batch.runner, requests[3])  # 40 tokens, 6 at a time, while row 0 decodes
+    chunks = 0
+    got: dict[int, list[int]] = {}
+    while batch.rows or joining is not None:
+        if joining is not None:
+            chunks += 1
+            if joining.prefill(6):
+                rows.append(batch.admit(joining))
+                joining = None
+        for row, new in batch.step():
+            got.setdefault(id(row), []).extend(new)
+    assert chunks == 7 and got[id(rows[0])] == refs[0] and got[id(rows[1])] == refs[3]
+    chunked = requests[3].stats
+    assert chunked.drafted_tokens > 0  # the heads' drafts, from the chunks' hidden states, were those of one prefill:
+    assert (chunked.drafted_tokens, chunked.accepted_tokens) == (at_once[3].drafted_tokens, at_once[3].accepted_tokens)

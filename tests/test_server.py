@@ -57,8 +57,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """0.05 s per target forward, one waiting place, requests limited to 2 s."""
-    args = ("--step-delay", "0.05", "--max-queue", "1", "--request-timeout", "2", "--method", "autoregressive")
+    """0.05 s per target forward, one request at a time, one waiting place, requests limited to 2 s."""
+    args = ("--step-delay", "0.05", "--max-queue", "1", "--max-batch", "1", "--request-timeout", "2",
+            "--method", "autoregressive")  # fmt: skip
     with running_server(*args) as s:
         yield s
 
@@ -250,6 +251,63 @@ def test_64_concurrent_streams_all_complete_and_equal_sequential(server, spec):
         assert text == expected, (prompt, method, params)
         assert "".join(t["text"] for t in tokens) == text
     assert metric(server.url, "speculum_requests_total", auth()) == before + 64
+
+
+@pytest.fixture(scope="module")
+def batch_server():
+    """0.05 s per target forward, at most 4 requests decoded together."""
+    with running_server("--step-delay", "0.05", "--max-batch", "4", "--method", "autoregressive") as s:
+        yield s
+
+
+def test_requests_decode_together_and_one_leaving_does_not_disturb_the_others(batch_server, spec):
+    """Continuous batching: 4 streams run as rows of one batch (the running gauge shows 4, a fifth
+    waits in the queue), one client leaves mid-way, and every other one gets its sequential text."""
+    url = batch_server.url
+    prompts = [words(repetitive_prompt(6 + 3 * i, 3 + i, seed=200 + i)) for i in range(5)]
+    expected = [spec.generate(p, "autoregressive", max_new_tokens=30).text for p in prompts]
+    seen_running, seen_queued = [], []
+
+    async def watch(stop: asyncio.Event):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            while not stop.is_set():
+                text = (await client.get("/metrics")).text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == "speculum_requests_running":
+                            seen_running.append(sample.value)
+                        if sample.name == "speculum_queue_length":
+                            seen_queued.append(sample.value)
+                await asyncio.sleep(0.05)
+
+    async def one(client, prompt, leave_after=None):
+        body = {"prompt": prompt, "max_tokens": 30, "stream": True}
+        text, events = "", 0
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                text += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    return None  # the client goes away mid-stream
+        return text
+
+    async def scenario():
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            results = await asyncio.gather(*(one(client, p, 5 if i == 1 else None) for i, p in enumerate(prompts)))
+        stop.set()
+        await watcher
+        return results
+
+    results = asyncio.run(scenario())
+    assert results[1] is None
+    assert [r for i, r in enumerate(results) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
+    assert max(seen_running) == 4 and max(seen_queued) >= 1
+    assert metric(url, "speculum_decode_seconds_total") > 0 and metric(url, "speculum_prefill_seconds_total") > 0
 
 
 # ---------------------------------------------------------------------------------------- queue, disconnect, timeout

@@ -210,28 +210,20 @@ class Speculum:
         gives what it would give alone, seed included: ``seed`` seeds each row as it would seed
         that prompt's own request."""
         config = SpeculativeConfig.coerce(self.default_config if method is None else method, **method_params)
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
         batched = _is_batch(prompt)
         prompts = [self.encode_prompt(p) for p in (prompt if batched else [prompt])]
-        seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
-        controller = self.controller_for(config, not sampling.greedy) if config.controlled(seeded_sampling) else None
+        drafters = self.drafters_for(config, len(prompts))
         requests = [
-            engine.Request(
-                ids, drafter, sampling, max_new_tokens, self.eos_token_ids, self._generator(sampling, seed),
-                controller=controller if controller is None or not batched else controller.for_row(),
-            )
-            for ids, drafter in zip(prompts, self.drafters_for(config, len(prompts)), strict=True)
+            self.request(ids, config, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
+                         top_p=top_p, top_k=top_k, seed=seed, own_controller=batched)
+            for ids, drafter in zip(prompts, drafters, strict=True)
         ]  # fmt: skip
         if batched:
             return self._generate_batch(requests, config.method, stream)
         request = requests[0]
         steps = engine.run(
-            self.runner, request.prompt_ids, request.drafter, sampling, max_new_tokens, self.eos_token_ids,
-            request.generator, request.stats, controller,
+            self.runner, request.prompt_ids, request.drafter, request.sampling, request.max_new_tokens,
+            self.eos_token_ids, request.generator, request.stats, request.controller,
         )  # fmt: skip
         if not stream:
             new_ids = [token for step in steps for token in step]
@@ -239,6 +231,39 @@ class Speculum:
         holder = GenerationStream(iter(()))
         holder._chunks = self._stream(steps, request.prompt_ids, request.stats, config.method, holder)
         return holder
+
+    def request(
+        self,
+        prompt_ids: list[int],
+        config: SpeculativeConfig,
+        drafter,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        own_controller: bool = False,
+    ) -> engine.Request:
+        """What the engine runs for one prompt (a row of a batch or a request alone): its sampling,
+        generator and controller. ``drafter``: one of ``drafters_for(config, ...)`` that no other
+        row in flight uses; ``own_controller``: a controller of its own for this row (sharing what
+        the configuration's has learned) instead of the configuration's, when rows of the same
+        configuration run side by side."""
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
+        seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
+        controller = None
+        if config.controlled(seeded_sampling):
+            controller = self.controller_for(config, not sampling.greedy)
+            controller = controller.for_row() if own_controller else controller
+        return engine.Request(
+            list(prompt_ids), drafter, sampling, max_new_tokens, self.eos_token_ids,
+            self._generator(sampling, seed), Stats(), controller,
+        )  # fmt: skip
 
     def _generator(self, sampling: SamplingParams, seed: int | None) -> torch.Generator | None:
         """One generator per request, on the device where sampling happens (where the target's

@@ -583,6 +583,12 @@ def serve(
     ] = None,
     served_model_name: Annotated[str | None, typer.Option(help="The name clients send as 'model'.")] = None,
     max_queue: Annotated[int, typer.Option(min=1, help="Requests that may wait; more get 503 + Retry-After.")] = 128,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Requests decoded together, one target forward per step for all of them.")
+    ] = 16,
+    prefill_chunk: Annotated[
+        int, typer.Option(min=1, help="Prompt tokens prefilled between two decoding steps while others run.")
+    ] = 256,
     request_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a request may take, queueing included.")
     ] = 600.0,
@@ -607,7 +613,8 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a
-    live page at /. Requests run one at a time; the others wait in a bounded queue."""
+    live page at /. Up to --max-batch requests decode together (continuous batching: a request joins
+    the running batch between two steps); the others wait in a bounded queue."""
     import speculum
 
     try:
@@ -647,6 +654,8 @@ def serve(
             model_name=served_model_name or model,
             api_key=api_key or None,
             max_queue=max_queue,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
             request_timeout=request_timeout,
             max_tokens_limit=max_tokens,
             default_max_tokens=min(256, max_tokens),

@@ -226,6 +226,38 @@ class Row:
         return new
 
 
+class Joining:
+    """A request being prefilled, alone and in chunks if asked, before it joins a batch: a long
+    prompt then holds the running rows for one chunk at a time, not for its whole prefill."""
+
+    def __init__(self, runner: ModelRunner, request: Request):
+        self.runner = runner
+        self.request = request
+        self.started = time.perf_counter()
+        self.tokens = list(request.prompt_ids)
+        request.stats.prompt_tokens = len(self.tokens)
+        self.cache = runner.new_cache()
+        self.done = 0  # prompt tokens prefilled (all but the last, which is the first tree's root)
+        self.hidden: list[torch.Tensor] = []  # the prefill's hidden states, for drafters that read them
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - 1 - self.done
+
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        """Prefill the next ``max_tokens`` prompt tokens (None: all the rest); True once complete."""
+        t = time.perf_counter()
+        end = len(self.tokens) - 1 if max_tokens is None else min(len(self.tokens) - 1, self.done + max_tokens)
+        wants = self.request.drafter.wants_hidden_states
+        if end > self.done:
+            states = self.runner.prefill(self.cache, self.tokens[self.done : end], hidden=wants)
+            if states is not None:
+                self.hidden.append(states)
+            self.done = end
+        self.request.stats.time_prefill += time.perf_counter() - t
+        return self.left == 0
+
+
 class Batch:
     """Rows decoded together: each step, one target forward carries every row's tree.
 
@@ -241,28 +273,31 @@ class Batch:
         return len(self.rows)
 
     def join(self, request: Request) -> Row:
-        """Prefill ``request`` (alone) and add it as a row; ``request`` must have passed :func:`check`."""
-        started = time.perf_counter()
-        stats, drafter, controller = request.stats, request.drafter, request.controller
-        tokens = list(request.prompt_ids)
-        stats.prompt_tokens = len(tokens)
-        cache = self.runner.new_cache()
-        prefill_hidden = self.runner.prefill(cache, tokens[:-1], hidden=drafter.wants_hidden_states)
+        """Prefill ``request`` (alone, at once) and add it as a row; it must have passed :func:`check`."""
+        joining = Joining(self.runner, request)
+        while not joining.prefill():
+            pass
+        return self.admit(joining)
+
+    def admit(self, joining: Joining) -> Row:
+        """Add a request whose prefill is complete as a row (its drafter starts now)."""
+        request, stats = joining.request, joining.request.stats
         if self.rows:
-            cache_ops.join(self.cache, len(self.rows), cache)
+            cache_ops.join(self.cache, len(self.rows), joining.cache)
         else:
-            self.cache = cache
+            self.cache = joining.cache
+        hidden = joining.hidden
+        prefill_hidden = None if not hidden else hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         ctx = DraftContext(
-            tokens, len(tokens), request.sampling, request.generator, 0, request.eos_token_ids,
-            self.runner.output_device, prefill_hidden, wants_scores=controller is not None,
+            joining.tokens, len(joining.tokens), request.sampling, request.generator, 0, request.eos_token_ids,
+            self.runner.output_device, prefill_hidden, wants_scores=request.controller is not None,
         )  # fmt: skip
         t = time.perf_counter()
-        stats.time_prefill = t - started
-        drafter.start(ctx)
-        if controller is not None:
-            controller.start()
+        request.drafter.start(ctx)
+        if request.controller is not None:
+            request.controller.start()
         stats.time_draft += time.perf_counter() - t
-        row = Row(request, ctx, started)
+        row = Row(request, ctx, joining.started)
         self.rows.append(row)
         return row
 
@@ -304,4 +339,4 @@ class Batch:
         return committed
 
 
-__all__ = ["Batch", "Request", "Row", "Stats", "check", "run", "run_batch"]
+__all__ = ["Batch", "Joining", "Request", "Row", "Stats", "check", "run", "run_batch"]

@@ -62,7 +62,9 @@ KEEPS_HISTORY = ("persist", "reuse_history")
 class ServerSettings:
     model_name: str | None = None  # the name clients use in "model" (default: the Speculum's name)
     api_key: str | None = None  # when set, every endpoint but /health needs it
-    max_queue: int = 128  # requests waiting beyond the running one; more get 503
+    max_queue: int = 128  # requests waiting beyond the running batch; more get 503
+    max_batch: int = 16  # requests decoded together (one target forward per step)
+    prefill_chunk: int = 256  # prompt tokens prefilled between two decoding steps
     request_timeout: float = 600.0  # seconds from arrival (queueing included) to the last token
     default_max_tokens: int = 256  # when a request names none
     max_tokens_limit: int = 4096  # the most a request may ask for
@@ -100,6 +102,8 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
         spec,
         metrics,
         settings.max_queue,
+        max_batch=settings.max_batch,
+        prefill_chunk=settings.prefill_chunk,
         max_configs=settings.max_configs,
         default_config=default,
         save_interval=settings.pool_save_interval,

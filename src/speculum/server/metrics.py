@@ -85,7 +85,17 @@ class Metrics:
             registry=r,
         )
         self.queue_length = Gauge("speculum_queue_length", "Requests waiting for the worker.", registry=r)
-        self.running = Gauge("speculum_requests_running", "Requests generating now (0 or 1).", registry=r)
+        self.running = Gauge(
+            "speculum_requests_running",
+            "Requests generating now: the running batch's rows and those being prefilled to join it.",
+            registry=r,
+        )
+        self.prefill_seconds = Counter(
+            "speculum_prefill_seconds", "Seconds the worker spent prefilling prompts.", registry=r
+        )
+        self.decode_seconds = Counter(
+            "speculum_decode_seconds", "Seconds the worker spent in batched decoding steps.", registry=r
+        )
         self.pool_save_failures = Counter(
             "speculum_pool_save_failures",
             "Pool files (pool_path) that could not be written; the server goes on and tries again later.",

@@ -1,11 +1,13 @@
-"""One thread runs the generations of one model, one request at a time, from a bounded queue.
+"""One thread runs the generations of one model, as rows of one batch, from a bounded queue.
 
-The model and its drafters are not thread-safe (one KV cache, drafters with per-request state),
-so requests never run side by side: each waits its turn in the queue, then the worker thread
-runs it step by step and hands every step to the request's asyncio queue. Between two steps it
-checks whether the client has gone (cancel) or the request ran out of time; either way it closes
-the generation, so the engine ends the request properly (the drafter's ``finish`` runs and
-persistent pools learn what was generated).
+The model and its drafters are not thread-safe, so one worker thread runs everything: continuous
+batching (issue #19). Up to ``max_batch`` requests decode together, one target forward per step
+carrying every row's draft (``engine.Batch``); a queued request joins between two steps, after its
+prefill, which runs ``prefill_chunk`` tokens at a time while other rows decode, so a long prompt
+holds the running streams for about a step at a time. Each row's tokens go to its request's
+asyncio queue after every step. Between steps the worker checks whether a client has gone
+(cancel) or a request ran out of time; either way its row leaves the batch at once and its
+drafter's ``finish`` runs (persistent pools learn what was generated).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from speculum import engine
 from speculum.api import IncrementalText, Speculum
 from speculum.errors import SpeculumError
 from speculum.methods import SpeculativeConfig
@@ -206,8 +209,27 @@ class Job:
         return time.monotonic() - self.arrival > self.timeout
 
 
+@dataclass
+class Active:
+    """A job whose request is in the batch (or being prefilled to join it): its row and its output so far."""
+
+    job: Job
+    request: engine.Request
+    drafter: object
+    queue_time: float
+    joining: engine.Joining | None = None  # its prefill, until it joins
+    row: engine.Row | None = None
+    output: Output = None  # type: ignore[assignment]
+    text: IncrementalText = None  # type: ignore[assignment]
+    ids: list[int] = field(default_factory=list)
+    steps: int = 0
+    accepted: int = 0  # accepted draft tokens so far
+    first_token: float | None = None
+
+
 class Worker:
-    """Runs the requests of one ``Speculum`` one at a time in its own thread (see the module docstring)."""
+    """Runs the requests of one ``Speculum`` in its own thread, as rows of one batch (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -215,28 +237,36 @@ class Worker:
         metrics: Metrics,
         max_queue: int,
         *,
+        max_batch: int = 16,
+        prefill_chunk: int = 256,
         max_configs: int = 16,
         default_config: SpeculativeConfig | None = None,
         save_interval: float = 60.0,
     ):
         self.spec = spec
         self.metrics = metrics
+        self.max_batch = max_batch
+        # prompt tokens prefilled between two steps: a long prompt joins over several steps instead
+        # of holding every running stream for its whole prefill
+        self.prefill_chunk = prefill_chunk
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="speculum-worker", daemon=True)
-        self._running: Job | None = None
+        self._batch = engine.Batch(spec.runner)
+        self._active: list[Active] = []  # in the batch or joining it, in arrival order
         self._mean_seconds = 1.0  # moving average of request durations, for Retry-After
-        # Every distinct method configuration builds (and keeps) a drafter; clients may send many,
+        # Every distinct method configuration builds (and keeps) drafters; clients may send many,
         # so only the most recent ``max_configs`` are kept, the server's own one always.
         self._configs: OrderedDict[tuple, SpeculativeConfig] = OrderedDict()
         self._max_configs = max_configs
         self._pinned = (default_config or spec.default_config).key()
-        # Pools with a pool_path are saved between requests, at most every save_interval seconds
-        # (and at shutdown): never on a request's way, so a failed write fails no request.
+        # Pools with a pool_path are saved between steps, at most every save_interval seconds (and at
+        # shutdown): never on a request's way, so a failed write fails no request.
         self._save_interval = save_interval
         self._last_save = time.monotonic()
         self._unsaved = False  # a generation has run since the last save
         metrics.queue_length.set_function(self._queue.qsize)
+        metrics.running.set_function(lambda: len(self._active))
 
     def start(self) -> None:
         self._thread.start()
@@ -248,7 +278,8 @@ class Worker:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            wait = min(60, max(1, math.ceil(self._mean_seconds * (self._queue.qsize() + 1))))
+            rounds = (self._queue.qsize() + 1) / self.max_batch
+            wait = min(60, max(1, math.ceil(self._mean_seconds * rounds)))
             raise ApiError(
                 503,
                 f"the server is busy: {self._queue.maxsize} requests are waiting already; retry in {wait} s",
@@ -258,10 +289,10 @@ class Worker:
             ) from None
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running request, refuse the queued ones, and wait for the thread to end."""
+        """Cancel the running requests, refuse the queued ones, and wait for the thread to end."""
         self._stop.set()
-        if self._running is not None:
-            self._running.cancel()
+        for active in list(self._active):
+            active.job.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -275,31 +306,47 @@ class Worker:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=0.2)
-            except queue.Empty:
+            self._admit()
+            if not self._active:
                 self._save_if_due()
                 continue
-            self._running = job
-            started = time.monotonic()
             try:
-                self._run(job)
-            except Exception:  # a bug, not bad input: the request fails, the server goes on
+                self._prefill()
+                if self._batch.rows:
+                    started = time.perf_counter()
+                    results = self._batch.step()
+                    self.metrics.decode_seconds.inc(time.perf_counter() - started)
+                    for row, new in results:
+                        self._tokens(self._of(row), new)
+            except Exception:  # a bug, not bad input: the requests in flight fail, the server goes on
                 log.exception("generation failed")
+                for active in list(self._active):
+                    active.job.emit(Failed(ApiError(500, "internal error while generating", type="server_error")))
+                    self.metrics.requests.labels(active.job.config.method, "error").inc()
+                    self._release(active)
+                self._batch = engine.Batch(self.spec.runner)
+            self._save_if_due()
+        for active in list(self._active):  # shutting down: every request still in flight ends now
+            self._end(active, "cancelled")
+
+    def _of(self, row: engine.Row) -> Active:
+        return next(a for a in self._active if a.row is row)
+
+    def _admit(self) -> None:
+        """Take queued jobs while the batch has room (waiting a little for one when nothing runs)."""
+        while len(self._active) < self.max_batch:
+            try:
+                job = self._queue.get(timeout=0.2) if not self._active else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._begin(job)
+            except Exception:  # a bug, not bad input: this request fails, the others go on
+                log.exception("could not start a generation")
                 job.emit(Failed(ApiError(500, "internal error while generating", type="server_error")))
                 self.metrics.requests.labels(job.config.method, "error").inc()
-            finally:
-                self._running = None
-                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - started)
-            self._save_if_due()
 
-    def _save_if_due(self) -> None:
-        if self._unsaved and time.monotonic() - self._last_save >= self._save_interval:
-            self._unsaved = False  # a failed save is tried again after the next generation (or at shutdown)
-            self._last_save = time.monotonic()
-            save_pools(self.spec, self.metrics)
-
-    def _run(self, job: Job) -> None:
+    def _begin(self, job: Job) -> None:
         job.started = True
         method = job.config.method
         if job.cancelled.is_set():  # the client left (or its time ran out) while the request was queued
@@ -312,93 +359,138 @@ class Worker:
         queue_time = time.monotonic() - job.arrival
         self._keep_config(job.config)
         try:
-            drafter = self.spec.drafter_for(job.config)
+            drafter = self._free_drafter(job.config)
             if hasattr(drafter, "save_on_finish"):
                 drafter.save_on_finish = False  # Ouroboros: the worker saves its pool (see _save_if_due)
-            stream = self.spec.generate(
-                job.prompt_ids,
-                job.config,
-                stream=True,
-                max_new_tokens=job.max_tokens,
-                temperature=job.temperature,
-                top_p=job.top_p,
-                top_k=job.top_k,
-                seed=job.seed,
-            )
+            shares = any(a.job.config.key() == job.config.key() for a in self._active)
+            request = self.spec.request(
+                job.prompt_ids, job.config, drafter, max_new_tokens=job.max_tokens, temperature=job.temperature,
+                top_p=job.top_p, top_k=job.top_k, seed=job.seed, own_controller=shares,
+            )  # fmt: skip
+            request = engine.check(self.spec.runner, request)
         except SpeculumError as exc:  # e.g. a method that needs a draft model the server has not loaded
             job.emit(Failed(ApiError(400, str(exc), param="speculative_config")))  # counted by the handler
             return
         job.emit(Started())
         self._unsaved = True
-        self.metrics.running.inc()
-        try:
-            self._steps(job, stream, method, queue_time)
-        finally:
-            self.metrics.running.dec()
+        active = Active(job, request, drafter, queue_time, engine.Joining(self.spec.runner, request))
+        active.output, active.text = Output(job.stop), IncrementalText(self.spec.decode)
+        self._active.append(active)
 
-    def _steps(self, job: Job, stream, method: str, queue_time: float) -> None:
-        output, text = Output(job.stop), IncrementalText(self.spec.decode)
-        ids: list[int] = []
-        steps = accepted = 0
-        first_token = None
-        ended = ""  # why we stopped reading early: stop, cancelled or timeout
-        chunks = iter(stream)
-        try:
-            for chunk in chunks:
-                if not chunk.token_ids:  # the stream's closing text: we decode ourselves, token by token
-                    continue
-                if first_token is None:
-                    first_token = time.monotonic()
-                steps += 1
-                accepted += chunk.num_draft_tokens
-                pieces = []
-                for i, token in enumerate(chunk.token_ids):
-                    ids.append(token)
-                    pieces.append(Piece(text.add(ids), "draft" if i < chunk.num_draft_tokens else "target"))
-                output.add(pieces)
-                shown = output.take()
-                if shown:
-                    elapsed = time.monotonic() - job.arrival - queue_time
-                    job.emit(Tokens(shown, len(ids), steps, accepted, elapsed))
-                if output.stopped:
-                    ended = "stop"
-                elif job.cancelled.is_set():
-                    ended = job.cancel_reason
-                elif self._stop.is_set():  # the server is shutting down
-                    ended = "cancelled"
-                elif job.expired:
-                    ended = "timeout"
-                if ended:
-                    break
-        finally:
-            chunks.close()  # ends the engine's request (the drafter's finish runs) if we stopped early
-        result = stream.result
-        stats = result.stats if result is not None else Stats()
+    def _free_drafter(self, config: SpeculativeConfig):
+        """A drafter of ``config`` that no request in flight uses (drafters keep per-request state)."""
+        busy = {id(a.drafter) for a in self._active}
+        count = sum(1 for a in self._active if a.job.config.key() == config.key()) + 1
+        return next(d for d in self.spec.drafters_for(config, count) if id(d) not in busy)
+
+    def _prefill(self) -> None:
+        """Prefill joining requests, at most ``prefill_chunk`` tokens while rows are decoding (all of
+        them while none is), and add those whose prefill is complete to the batch."""
+        budget = self.prefill_chunk if self._batch.rows else None
+        for active in [a for a in self._active if a.joining is not None]:
+            if self._ended_early(active):
+                continue
+            joining = active.joining
+            if budget is not None and budget <= 0 and joining.left > 0:
+                break
+            started = time.perf_counter()
+            take = joining.left if budget is None else min(budget, joining.left)
+            done = joining.prefill(take)
+            self.metrics.prefill_seconds.inc(time.perf_counter() - started)
+            if budget is not None:
+                budget -= take
+            if done:
+                active.row = self._batch.admit(joining)
+                active.joining = None
+
+    def _tokens(self, active: Active, new: list[int]) -> None:
+        """A step's tokens for ``active``: hand out its text, and end it where it ends."""
+        job, row = active.job, active.row
+        if active.first_token is None:
+            active.first_token = time.monotonic()
+        active.steps += 1
+        stats = row.stats
+        drafted = min(len(new), stats.accepted_tokens - active.accepted)
+        active.accepted = stats.accepted_tokens
+        pieces = []
+        for i, token in enumerate(new):
+            active.ids.append(token)
+            pieces.append(Piece(active.text.add(active.ids), "draft" if i < drafted else "target"))
+        active.output.add(pieces)
+        shown = active.output.take()
+        if shown:
+            elapsed = time.monotonic() - job.arrival - active.queue_time
+            job.emit(Tokens(shown, len(active.ids), active.steps, active.accepted, elapsed))
+        if active.output.stopped:
+            self._end(active, "stop")
+        elif row.done:
+            self._end(active, "")
+        else:
+            self._ended_early(active)
+
+    def _ended_early(self, active: Active) -> bool:
+        """End ``active`` if its client left, its time ran out or the server is stopping."""
+        job = active.job
+        ended = job.cancel_reason if job.cancelled.is_set() else "cancelled" if self._stop.is_set() else ""
+        ended = ended or ("timeout" if job.expired else "")
+        if ended:
+            self._end(active, ended)
+        return bool(ended)
+
+    def _end(self, active: Active, ended: str) -> None:
+        """The request is over: ``ended`` says why, if it stopped before its own end (EOS, length)."""
+        job, method, stats = active.job, active.job.config.method, active.request.stats
+        self._release(active, ended)
         if ended in ("cancelled", "timeout"):
             if ended == "timeout":
                 job.emit(Failed(timeout_error(job.timeout)))
             self.metrics.requests.labels(method, ended).inc()
             return
-        tail = text.finish(self.spec.decode(ids)) if not ended else ""
+        tail = active.text.finish(self.spec.decode(active.ids)) if not ended else ""
         if tail:  # text the incremental decoding held back to the end (an incomplete character)
-            output.add([Piece(tail, "target", token=False)])
-        finish_reason = "stop" if output.stopped or stats.stop_reason == "eos" else "length"
-        rest = output.take(final=True)
+            active.output.add([Piece(tail, "target", token=False)])
+        finish_reason = "stop" if active.output.stopped or stats.stop_reason == "eos" else "length"
+        rest = active.output.take(final=True)
+        now = time.monotonic()
         if rest:
-            job.emit(Tokens(rest, len(ids), steps, accepted, time.monotonic() - job.arrival - queue_time))
-        ttft = None if first_token is None else first_token - job.arrival
-        job.emit(Finished(finish_reason, output.num_tokens, stats, method, ttft, queue_time))
-        self.metrics.observe(method, finish_reason, len(job.prompt_ids), output.num_tokens, stats, ttft, job.arrival)
+            job.emit(
+                Tokens(rest, len(active.ids), active.steps, active.accepted, now - job.arrival - active.queue_time)
+            )
+        ttft = None if active.first_token is None else active.first_token - job.arrival
+        job.emit(Finished(finish_reason, active.output.num_tokens, stats, method, ttft, active.queue_time))
+        self.metrics.observe(
+            method, finish_reason, len(job.prompt_ids), active.output.num_tokens, stats, ttft, job.arrival
+        )
+        self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (now - job.arrival)
+
+    def _release(self, active: Active, reason: str = "cancelled") -> None:
+        """Take ``active`` out of the batch (its row at once) and free its drafter."""
+        if active in self._active:
+            self._active.remove(active)
+        if active.row is not None and not active.row.done:
+            self._batch.leave(active.row, reason or "cancelled")
+        elif active.joining is not None:
+            active.request.stats.stop_reason = reason or "cancelled"
+
+    def _save_if_due(self) -> None:
+        if self._unsaved and time.monotonic() - self._last_save >= self._save_interval:
+            self._unsaved = False  # a failed save is tried again after the next generation (or at shutdown)
+            self._last_save = time.monotonic()
+            save_pools(self.spec, self.metrics)
 
     def _keep_config(self, config: SpeculativeConfig) -> None:
-        """Remember ``config`` as recently used; forget the drafter of the least recently used one beyond
-        ``max_configs`` (never the server's own configuration, whose pools are saved at shutdown)."""
+        """Remember ``config`` as recently used; forget the drafters of the least recently used one
+        beyond ``max_configs`` (never the server's own configuration, whose pools are saved at shutdown,
+        nor one that a request in flight uses)."""
         key = config.key()
         self._configs[key] = config
         self._configs.move_to_end(key)
+        in_use = {a.job.config.key() for a in self._active} | {key, self._pinned}
         while len(self._configs) > self._max_configs:
-            old = next(k for k in self._configs if k != self._pinned)
-            self.spec.forget(self._configs.pop(old))  # its drafter, and shared pools no other drafter uses
+            old = next((k for k in self._configs if k not in in_use), None)
+            if old is None:
+                break
+            self.spec.forget(self._configs.pop(old))  # its drafters, and shared pools no other drafter uses
 
 
 def save_pools(spec: Speculum, metrics: Metrics | None = None) -> list[str]:

@@ -1,0 +1,156 @@
+"""Batched decoding throughput (issue #19): aggregate output tokens/s of B prompts decoded together.
+
+For each batch size B, in one run, methods interleaved per batch of prompts:
+
+- ``hf_generate``: transformers' ``generate`` on the same prompts, left-padded, greedy, stopping at
+  the same EOS tokens (a finished row of a padded batch keeps being computed; only its tokens up
+  to EOS are counted);
+- ``one_at_a_time``: speculum's plain decoding, one request after the other (today's server);
+- each method named (``autoregressive`` is batched plain decoding), through
+  ``spec.generate([...])``: one target forward per step for every row.
+
+Each batched row is compared with its single-request output (greedy), and the table says how many
+are identical. Prompts come from the report sets (HumanEval, GSM8K, MT-bench, WMT16), chat
+template where the set uses one::
+
+    python benchmarks/batch_throughput.py gemma-3-270m --dtype float32 --batches 1,4,16 \\
+        --methods autoregressive,prompt_lookup,anpd --max-new-tokens 128
+
+Prints a markdown table with a machine/date/command header (and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from speculum.bench.datasets import load_datasets
+from speculum.bench.report import machine_info, now_iso
+
+
+def hf_generate(spec, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate over a left-padded batch; each row cut after its first EOS."""
+    pad = spec.tokenizer.pad_token_id if spec.tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = spec.model.generate(
+        input_ids=ids.to(spec.runner.input_device),
+        attention_mask=mask.to(spec.runner.input_device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=sorted(spec.eos_token_ids) or None,
+    )
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in spec.eos_token_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default="gemma-3-270m")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes B")
+    ap.add_argument("--methods", default="autoregressive,prompt_lookup,anpd")
+    ap.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
+    ap.add_argument("--per-set", type=int, default=4, help="prompts taken from each set (the pool rows cycle over)")
+    ap.add_argument("--groups", type=int, default=2, help="batches timed per B (different prompts each)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import speculum
+
+    spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype)
+    sets = load_datasets(args.datasets, args.per_set)
+    chat = bool(getattr(spec.tokenizer, "chat_template", None))
+    pool = [spec.encode_prompt(p.render(chat and p.chat_default)) for ps in sets.values() for p in ps]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    batches = [int(b) for b in args.batches.split(",")]
+    n = args.max_new_tokens
+
+    single: dict[int, list[int]] = {}  # prompt index -> its single-request greedy output
+
+    def one(i: int) -> list[int]:
+        if i not in single:
+            single[i] = spec.generate(pool[i], "autoregressive", max_new_tokens=n).token_ids
+        return single[i]
+
+    spec.generate(pool[:2], "autoregressive", max_new_tokens=8)  # warm-up (first forwards, cost model)
+    hf_generate(spec, pool[:2], 8)
+    totals: dict[tuple[int, str], list[float]] = {}  # (B, method) -> [tokens, seconds, identical, rows]
+    offset = 0
+    for batch in batches:
+        for group in range(args.groups):
+            index = [(offset + group * batch + r) % len(pool) for r in range(batch)]
+            prompts = [pool[i] for i in index]
+            for method in ["hf_generate", "one_at_a_time", *methods]:
+                start = time.perf_counter()
+                if method == "hf_generate":
+                    outputs = hf_generate(spec, prompts, n)
+                elif method == "one_at_a_time":
+                    single.update({i: spec.generate(pool[i], "autoregressive", max_new_tokens=n).token_ids
+                                   for i in index})  # fmt: skip
+                    outputs = [single[i] for i in index]
+                else:
+                    outputs = [r.token_ids for r in spec.generate(prompts, method, max_new_tokens=n)]
+                seconds = time.perf_counter() - start
+                same = sum(out == one(i) for out, i in zip(outputs, index, strict=True))
+                t = totals.setdefault((batch, method), [0.0, 0.0, 0, 0])
+                t[0] += sum(len(o) for o in outputs)
+                t[1] += seconds
+                t[2] += same
+                t[3] += batch
+                print(f"B={batch} group {group} {method}: {sum(len(o) for o in outputs) / seconds:.1f} tok/s, "
+                      f"{same}/{batch} identical", file=sys.stderr, flush=True)  # fmt: skip
+        offset += args.groups * batch
+
+    mach = machine_info()
+    given = argv if argv is not None else sys.argv[1:]
+    lines = [
+        "# batched decoding throughput",
+        "",
+        f"- command: `{shlex.join(['python', 'benchmarks/batch_throughput.py', *given])}`",
+        f"- date: {now_iso()}",
+        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
+        f"transformers {mach.get('transformers')}",
+        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f"; {spec.runner.dtype}; "
+        f"{args.groups} batches per B from {len(pool)} prompts ({args.datasets}); greedy, up to {n} new tokens, "
+        "stopping at EOS",
+        "- tokens/s is the aggregate over the batch's rows; ratios are to `hf_generate` and to batched "
+        "`autoregressive` at the same B; identical: rows equal to their single-request output",
+        "",
+        "| B | method | tokens/s | × hf_generate | × batched plain | × one at a time | identical |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for batch in batches:
+        rate = {m: totals[(batch, m)][0] / totals[(batch, m)][1] for m in ["hf_generate", "one_at_a_time", *methods]}
+        plain = rate.get("autoregressive")
+        for m in ["hf_generate", "one_at_a_time", *methods]:
+            tok, _, same, rows = totals[(batch, m)]
+            vs_plain = f"{rate[m] / plain:.2f}×" if plain else "–"
+            lines.append(
+                f"| {batch} | `{m}` | {rate[m]:.1f} | {rate[m] / rate['hf_generate']:.2f}× | {vs_plain} | "
+                f"{rate[m] / rate['one_at_a_time']:.2f}× | {int(same)}/{int(rows)} |"
+            )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
