@@ -85,6 +85,26 @@ def test_a_whole_source_is_verified_as_proposed_and_the_rest_pruned():
     assert Controller(STEEP).plan(sampled, 10, whole_sources=frozenset({"draft_model"})).keep[:3] == [True] * 3
 
 
+def test_a_batch_thins_speculation_out():
+    # one row's tree of 5 costs about a plain step; 16 rows padded to 5 nodes cost 5 times 16 rows of one
+    cost = CostModel([(1, 0.010), (8, 0.011), (16, 0.040), (64, 0.160)])
+    draft = chain_draft(4, 0.7)
+    assert sum(Controller(cost).plan(draft, 10).keep) == 4
+    assert sum(Controller(cost).plan(draft, 10, rows=16).keep) == 0  # the gain of one row, the cost of all
+    assert sum(Controller(cost).plan(draft, 10, rows=16, floor=5).keep) == 4  # padded to 5 anyway: free
+
+
+def test_the_batch_cost_is_learnt_per_batch_size_from_its_forwards():
+    cost = CostModel([(1, 0.010), (4, 0.011), (16, 0.040), (64, 0.160)])
+    assert cost.batch(16, 1) == pytest.approx(cost.base(16))  # before any batch: 16 nodes of one tree
+    for _ in range(100):
+        cost.observe_batch(16, 1, 0.080)
+    assert cost.batch(16, 1) == pytest.approx(0.080, rel=0.01)
+    assert cost.batch(16, 2) == pytest.approx(2 * cost.base(32), rel=0.01)  # the nearest size's correction
+    assert cost.batch(4, 1) == pytest.approx(cost.base(4))  # another batch size: not learnt yet
+    assert cost(1) == 0.010  # the single-row curve is untouched
+
+
 def test_calibration_learns_what_the_target_accepts():
     cal = Calibration()
     assert cal.estimate(0.95, 1) > 0.8  # before any evidence: the drafter's own belief

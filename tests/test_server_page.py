@@ -69,3 +69,33 @@ def test_page_streams_coloured_tokens():
             assert page.text_content("#error") == ""
         finally:
             browser.close()
+
+
+def test_page_runs_several_streams_side_by_side():
+    spec = build_spec()
+    prompt = " ".join(f"w{t}" for t in repetitive_prompt(18, 4, 3))
+    expected = spec.generate(prompt, "anpd", max_new_tokens=32, controller=False).text
+    with (
+        running_server("--method", "anpd", "--params", '{"controller": false}') as server,
+        sync_api.sync_playwright() as p,
+    ):
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_selector("#method option", state="attached")
+            page.fill("#prompt", prompt)
+            page.fill("#max_tokens", "32")
+            page.fill("#streams", "3")
+            page.click("#go")
+            for i in range(3):  # three panels, each its own stream, decoded as rows of one batch
+                page.wait_for_selector(f'.out[data-stream="{i}"][data-done]', state="attached", timeout=30_000)
+            texts = page.eval_on_selector_all(
+                ".out", "outs => outs.map(o => [...o.querySelectorAll('.tok')].map(s => s.textContent).join(''))"
+            )
+            assert texts == [expected] * 3  # greedy: every row gives its single-request text
+            metas = page.eval_on_selector_all(".meta", "ms => ms.map(m => m.textContent)")
+            assert len(metas) == 3 and all("tok/s" in m and "per forward" in m for m in metas)
+            assert page.text_content("#error") == ""
+        finally:
+            browser.close()

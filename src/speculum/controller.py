@@ -229,6 +229,8 @@ class Controller:
         prunable: bool = True,
         whole_sources: frozenset[str] = frozenset(),
         draft_seconds: float = 0.0,
+        rows: int = 1,
+        floor: int = 1,
     ) -> Plan:
         """The keep-mask over ``draft``'s nodes that maximises expected committed tokens per second;
         nodes of ``whole_sources`` are kept whenever their parent is (see ``Drafter.whole_sources``).
@@ -236,7 +238,18 @@ class Controller:
         ``draft_seconds``: what drafting this round took. It is part of the round's time, so an extra
         node costs a smaller share of a round whose drafting was dear (issue #18: counting only the
         forward, Ouroboros' phrases looked twice as dear as they were, beside a 0.5B draft model's
-        chain that takes 45% of the round)."""
+        chain that takes 45% of the round).
+
+        ``rows`` > 1: the forward carries a batch whose trees are padded to the largest, ``floor``
+        nodes so far this step. What counts is the batch's committed tokens per second: one row's
+        extra nodes make every row's step dearer, and their gain is weighed against the whole
+        batch's output (the other rows' expected tokens), so speculation thins out as the batch
+        grows and the forward stops being memory-bound."""
+        if rows > 1:
+            cost = lambda m: self.cost.batch(rows, max(m, floor))  # noqa: E731
+            others = (rows - 1) * self._expected
+        else:
+            cost, others = self.cost, 0.0
         depths = draft.depths()
         scores = draft.scores if draft.scores is not None else [None] * len(draft)
         sources = draft.sources if draft.sources is not None else [""] * len(draft)
@@ -256,31 +269,33 @@ class Controller:
         within = sum(1 for d in depths if d <= max_depth)
         if not prunable:
             expected = 1.0 + sum(reach[i] for i in range(len(draft)) if depths[i] <= max_depth)
-            return self._planned(Plan(None, expected, self.cost(within + 1)), within)
+            return self._planned(Plan(None, expected, cost(within + 1)), within)
         whole = [False] * len(draft)  # kept as proposed: a whole-source node below the root or another one
         if whole_sources and draft.sources is not None:
             for i, parent in enumerate(draft.parents):
                 whole[i] = sources[i] in whole_sources and depths[i] <= max_depth and (parent < 0 or whole[parent])
         if draft.probs is not None:
-            keep = self._local_keep(draft, reach, depths, max_depth, whole)
+            keep = self._local_keep(draft, reach, depths, max_depth, whole, cost, rows)
         else:
-            keep = self._best_keep(reach, depths, whole, draft_seconds)
+            keep = self._best_keep(reach, depths, whole, cost, others + 1.0, self.overhead * rows + draft_seconds)
         # sampled drafts use past rounds' drafting time (this round's may depend on what was sampled)
         self._drafting += self.smoothing * (draft_seconds - self._drafting)
         kept = sum(keep)
-        explored = kept < within and self._explores(draft, keep, depths, runs, scores, sources, max_depth, kept, within)
+        bins = (depths, runs, scores, sources)
+        explored = kept < within and self._explores(draft, keep, bins, max_depth, cost(kept + 1), cost(within + 1))
         if explored:
             keep, kept = [d <= max_depth for d in depths], within
         expected = 1.0 + sum(r for r, k in zip(reach, keep, strict=True) if k)
-        return self._planned(Plan(keep, expected, self.cost(kept + 1), within - kept, explored), kept)
+        return self._planned(Plan(keep, expected, cost(kept + 1), within - kept, explored), kept)
 
-    def _explores(self, draft, keep, depths, runs, scores, sources, max_depth, kept, within) -> bool:
+    def _explores(self, draft, keep, bins, max_depth, kept_cost, whole_cost) -> bool:
         """Whether to verify the whole proposal this round instead of the pruned one: some dropped
         node's bin holds too little evidence, and the budget covers the extra nodes. Only bins
         (source, depth, score) decide, never a node's token, so sampled drafts stay exact."""
-        extra = self.cost(within + 1) - self.cost(kept + 1)
+        extra = whole_cost - kept_cost
         if extra > self._explore_budget:
             return False
+        depths, runs, scores, sources = bins
         # the frontier of what pruning kept: a node below a dropped one is learnt of once its parent
         # is (a node is calibrated only when its parent was accepted), so a phrase the target never
         # takes costs exploring its first node's bin, not a whole tree every so often for ever
@@ -293,20 +308,21 @@ class Controller:
             self._explore_budget -= max(extra, 0.0)
         return unknown
 
-    def _best_keep(self, reach: list[float], depths: list[int], whole: list[bool], draft_seconds: float) -> list[bool]:
+    def _best_keep(self, reach, depths, whole, cost, base_tokens: float, spent: float) -> list[bool]:
         """Deterministic drafts: the ``whole`` nodes, then the prefix of the other nodes, most likely
-        first, with the best expected tokens per second. Reach never grows along a path, so every
-        prefix of that order (ties broken by depth, then draft order) holds each node's parent."""
+        first, with the best expected tokens per second (``base_tokens``: what the round commits
+        without a draft, the other rows' included; ``spent``: its seconds beyond the forward). Reach
+        never grows along a path, so every prefix of that order (ties broken by depth, then draft
+        order) holds each node's parent."""
         fixed = sum(whole)
         order = sorted(
             (i for i in range(len(reach)) if reach[i] > 0 and not whole[i]), key=lambda i: (-reach[i], depths[i], i)
         )
         gained = sum(r for r, w in zip(reach, whole, strict=True) if w)
-        spent = self.overhead + draft_seconds
-        best_m, best_value = 0, (1.0 + gained) / (self.cost(fixed + 1) + spent)
+        best_m, best_value = 0, (base_tokens + gained) / (cost(fixed + 1) + spent)
         for m, node in enumerate(order, start=1):
             gained += reach[node]
-            value = (1.0 + gained) / (self.cost(fixed + m + 1) + spent)
+            value = (base_tokens + gained) / (cost(fixed + m + 1) + spent)
             if value > best_value:
                 best_m, best_value = m, value
         keep = list(whole)
@@ -314,9 +330,7 @@ class Controller:
             keep[node] = True
         return keep
 
-    def _local_keep(
-        self, draft: Draft, reach: list[float], depths: list[int], max_depth: int, whole: list[bool]
-    ) -> list[bool]:
+    def _local_keep(self, draft: Draft, reach, depths, max_depth: int, whole, cost, rows: int) -> list[bool]:
         """Drafts with sampled nodes: whether a node is verified may depend only on what was known
         before it was sampled (its ancestors, its own sampling distribution, this controller's past),
         never on its own token or on other branches (keeping a sampled token because of what it or a
@@ -324,8 +338,9 @@ class Controller:
         is kept when its parent is and its chance of being reached beats a threshold set from past
         rounds: the gain one more node must bring to pay for its verification cost."""
         size = max(1, round(self._kept_size))
-        extra = self.cost(size + 2) - self.cost(size + 1)
-        threshold = self._expected * max(extra, 0.0) / (self.cost(size + 1) + self.overhead + self._drafting)
+        extra = cost(size + 2) - cost(size + 1)
+        spent = self.overhead * rows + self._drafting
+        threshold = self._expected * rows * max(extra, 0.0) / (cost(size + 1) + spent)
         keep = [False] * len(draft)
         for i, parent in enumerate(draft.parents):
             above = parent < 0 or keep[parent]
@@ -352,40 +367,46 @@ class Controller:
         round_seconds: float,
         draft_seconds: float = 0.0,
         rows: int = 1,
+        padded: int | None = None,
     ) -> None:
         """What the round cost and gave: calibration from the verified nodes, the cost model from the
         forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included).
 
-        ``rows`` > 1: the forward carried a batch. What the target accepts does not depend on the
-        batch, so calibration learns from it; the cost model and goodput describe one row's forward,
-        so they do not (the batch's own cost curve is issue #19's next step)."""
+        ``rows`` > 1: the forward carried a batch of trees padded to ``padded`` nodes. The cost model
+        learns T(rows, padded) from it; the row is judged on its own share of the step (its own
+        drafting, a ``1 / rows`` share of the forward and its bookkeeping) against a plain batched
+        step's share, so a row whose drafts do not pay at this batch size takes plain rounds."""
         if rows > 1:
-            if draft is not None and len(tree) > 1:
-                self._calibrate(tree, path, draft)
-            return
-        self.cost.observe(len(tree), forward_seconds)
+            self.cost.observe_batch(rows, padded or len(tree), forward_seconds)
+            round_seconds = draft_seconds + forward_seconds / rows + self.overhead
+            plain_rate = 1.0 / max(self.cost.batch(rows, 1) / rows + self.overhead, 1e-9)
+        else:
+            self.cost.observe(len(tree), forward_seconds)
+            plain_rate = self.plain_rate()
         # the exploring budget fills with the time spent; it never holds more than a few plain steps,
         # so a long stretch without anything to explore does not become a burst of whole trees
-        self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / self.plain_rate())
+        self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / plain_rate)
         overhead = max(0.0, round_seconds - forward_seconds)
+        if not asked and rows > 1:
+            return  # a plain batched round: the single-row plain time is measured alone
         if not asked:
             self.overhead += self.smoothing * (overhead - self.overhead)
             self.plain_round = round_seconds if self.plain_round is None else (
                 self.plain_round + self.smoothing * (round_seconds - self.plain_round))  # fmt: skip
             return
-        if len(tree) == 1 and draft_seconds < self.negligible / self.plain_rate():
+        if len(tree) == 1 and draft_seconds < self.negligible / plain_rate:
             return  # nothing verified, next to nothing spent: neither evidence for asking nor against it
         if draft is not None and len(tree) > 1:
             self._calibrate(tree, path, draft)
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
-        loss = round_seconds * self.plain_rate() - committed  # plain steps lost against plain decoding
+        loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
         recent = [] if self.probing else self._losses
         self._losses = (recent + [loss])[-self.asked.min_evidence :]
         self.probing = False
         if not self.asked.judged:
             return  # too few rounds to judge: acceptance comes in bursts
-        if self.asked.rate < self.plain_rate() * (1.0 + self.margin):
+        if self.asked.rate < plain_rate * (1.0 + self.margin):
             self._plain_left = self._backoff
             # a probe that lost L plain steps is worth one per L / exploration rounds
             cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))

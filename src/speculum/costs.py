@@ -48,6 +48,8 @@ class CostModel:
     points: list[tuple[int, float]]
     smoothing: float = 0.1  # weight of each new online sample
     correction: dict[int, float] = field(default_factory=dict)  # size bucket -> measured / base
+    # (rows bucket, size bucket) -> measured / base(rows * size), for forwards over a batch
+    batch_correction: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Past one token a bigger forward never costs less, so a point above a larger size's is noise
@@ -91,6 +93,33 @@ class CostModel:
         ratio = seconds / max(self.base(n), 1e-9)
         old = self.correction.get(bucket)
         self.correction[bucket] = ratio if old is None else old + self.smoothing * (ratio - old)
+
+    def batch(self, rows: int, n: int) -> float:
+        """T(rows, n): one forward over ``rows`` trees padded to ``n`` nodes each. Before any batch was
+        seen, what ``rows * n`` nodes of one tree cost (the weights are read once either way; each
+        row's attention over its own cache is what differs); then corrected online per (rows, size)
+        bucket, as :meth:`observe_batch` learns it."""
+        if rows <= 1:
+            return self(n)
+        key = (_bucket(rows), _bucket(n))
+        factor = self.batch_correction.get(key)
+        if factor is None:
+            same_rows = [k for k in self.batch_correction if k[0] == key[0]]
+            near = min(same_rows, key=lambda k: abs(math.log2(k[1]) - math.log2(key[1])), default=None)
+            factor = self.batch_correction[near] if near is not None else 1.0
+        return self.base(rows * n) * factor
+
+    def observe_batch(self, rows: int, n: int, seconds: float) -> None:
+        """A forward over ``rows`` trees of ``n`` nodes (padded) took ``seconds``."""
+        if rows <= 1:
+            self.observe(n, seconds)
+            return
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        key = (_bucket(rows), _bucket(n))
+        ratio = seconds / max(self.base(rows * n), 1e-9)
+        old = self.batch_correction.get(key)
+        self.batch_correction[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
     def with_plain_step(self, seconds: float) -> CostModel:
         """This curve with t(1) replaced by a measured plain-decoding cost per token."""

@@ -134,8 +134,10 @@ class Row:
         """Columns of the row in the target's cache: every committed token but the root."""
         return len(self.tokens) - 1
 
-    def propose(self) -> None:
-        """Ask the drafter (unless the controller takes a plain step) and build the tree to verify."""
+    def propose(self, rows: int = 1, floor: int = 1) -> None:
+        """Ask the drafter (unless the controller takes a plain step) and build the tree to verify;
+        ``rows``: the batch's size this step, ``floor``: the largest tree of the rows before this one
+        (the batch pads every tree to the largest)."""
         request, ctx, stats = self.request, self.ctx, self.stats
         controller = request.controller
         ctx.max_depth = request.max_new_tokens - stats.new_tokens - 1
@@ -147,8 +149,9 @@ class Row:
         if controller is not None and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(
-                draft, ctx.max_depth, drafter.prunable, drafter.whole_sources, draft_seconds=self.t1 - self.t0
-            )
+                draft, ctx.max_depth, drafter.prunable, drafter.whole_sources,
+                draft_seconds=self.t1 - self.t0, rows=rows, floor=floor,
+            )  # fmt: skip
             keep = plan.keep
             stats.nodes_pruned += plan.pruned
             stats.rounds_explored += plan.explored
@@ -160,10 +163,13 @@ class Row:
     def verify(self, out: StepOutput) -> Verdict:
         return verify(self.tree, out.logits, self.request.sampling, self.request.generator)
 
-    def commit(self, verdict: Verdict, out: StepOutput, t2: float, rows: int) -> list[int]:
+    def commit(
+        self, verdict: Verdict, out: StepOutput, forward: tuple[float, float], rows: int, padded: int
+    ) -> list[int]:
         """Take the verdict's tokens (cut at EOS and at the length asked), observe, keep the stats;
-        the tokens committed. ``t2``: when the shared forward and commit ended; ``rows``: how many
-        rows it carried."""
+        the tokens committed. ``forward``: when the shared forward (and commit) began and ended;
+        ``rows``: how many rows it carried, their trees padded to ``padded`` nodes."""
+        tf, t2 = forward
         request, ctx, stats, tree, draft = self.request, self.ctx, self.stats, self.tree, self.draft
         accepted = [tree.tokens[i] for i in verdict.path[1:]]
         new, stop = accepted + [verdict.next_token], ""
@@ -203,10 +209,11 @@ class Row:
                 draft,
                 asked=self.asked,
                 committed=len(new),
-                forward_seconds=t2 - self.tc,
+                forward_seconds=t2 - tf,
                 round_seconds=t4 - self.t0,
                 draft_seconds=own_draft,
                 rows=rows,
+                padded=padded,
             )
             if self.asked:
                 stats.rounds_drafted += 1
@@ -216,7 +223,7 @@ class Row:
                 stats.rounds_plain += 1
             stats.time_control += (self.tc - self.t1) + (time.perf_counter() - t4)
         stats.time_draft += own_draft
-        stats.time_verify += t2 - self.tc
+        stats.time_verify += t2 - tf
         stats.draft_forwards = request.drafter.forwards
         stats.wall_time = time.perf_counter() - self.started
         spent = stats.time_prefill + stats.time_draft + stats.time_verify + stats.time_control
@@ -318,8 +325,11 @@ class Batch:
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round for every row: the tokens each committed (finished rows have left after it)."""
         rows = list(self.rows)
+        floor = 1
         for row in rows:
-            row.propose()
+            row.propose(len(rows), floor)
+            floor = max(floor, len(row.tree))
+        tf = rows[0].tc if len(rows) == 1 else time.perf_counter()
         lengths = [row.cached for row in rows]
         hidden = any(row.request.drafter.wants_hidden_states for row in rows)
         if len(rows) == 1:  # plain single-sequence decoding's path (a lone row is as long as the cache)
@@ -332,7 +342,10 @@ class Batch:
             verdicts = [row.verify(out) for row, out in zip(rows, outs, strict=True)]
             self.runner.commit_rows(self.cache, columns, lengths, [v.path for v in verdicts])
         t2 = time.perf_counter()
-        committed = [(row, row.commit(v, out, t2, len(rows))) for row, v, out in zip(rows, verdicts, outs, strict=True)]
+        committed = [
+            (row, row.commit(v, out, (tf, t2), len(rows), floor))
+            for row, v, out in zip(rows, verdicts, outs, strict=True)
+        ]
         for row, _ in committed:
             if row.done:
                 self.leave(row)
