@@ -178,3 +178,19 @@ done
 # ---- issue #19 (batching), first measurement: what a forward over B rows of K tokens costs
 python benchmarks/batch_cost.py gemma-3-270m --dtype float32 --threads 2 --reps 3
 python benchmarks/batch_cost.py qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --reps 3 --batches 1,2,4,8,16 --ks 1,2,4,8
+
+# ---- issue #19: batched decoding in the engine (B = 1, 4, 16; HF generate on the same left-padded batch)
+python benchmarks/batch_throughput.py gemma-3-270m --threads 2 --batches 1,4,16 \
+    --methods autoregressive,prompt_lookup,anpd --max-new-tokens 128 --groups 2 \
+    --out benchmarks/results/issue19-batch-throughput-gemma-v2.md
+# ---- issue #19: continuous batching in speculum serve, against the same server one request at a time
+python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1,4,16 \
+    --requests 16 --max-tokens 128 --dataset humaneval,gsm8k --limit 16 \
+    --out benchmarks/results/issue19-server-load-gemma-batched.md
+python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1,16 \
+    --requests 16 --max-tokens 128 --dataset humaneval,gsm8k --limit 16 --serve-args "--max-batch 1" \
+    --out benchmarks/results/issue19-server-load-gemma-one-at-a-time.md
+# ---- issue #18, third pass: Ouroboros' phrases under the controller (exploration, run depths, drafting time)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k \
+    --limit 5 --max-new-tokens 64 --methods "autoregressive,ouroboros,ouroboros:controller=false" \
+    --out $OUT/i18/qwen-ouro-third-pass  # summary.md: benchmarks/results/issue18-qwen-ouroboros-*.md

@@ -31,6 +31,8 @@ from speculum.stats import Stats
 
 log = logging.getLogger("speculum.server")
 
+STARVING = 2.0  # seconds after which a waiting prompt is prefilled before shorter ones
+
 
 @dataclass
 class Piece:
@@ -385,9 +387,19 @@ class Worker:
 
     def _prefill(self) -> None:
         """Prefill joining requests, at most ``prefill_chunk`` tokens while rows are decoding (all of
-        them while none is), and add those whose prefill is complete to the batch."""
+        them while none is), and add those whose prefill is complete to the batch.
+
+        The shortest prompt left goes first (the median time to first token is what clients wait
+        on), except that a prefill once begun is finished first and a request that has waited
+        ``STARVING`` seconds goes before the others, so a long prompt is never overtaken for ever."""
         budget = self.prefill_chunk if self._batch.rows else None
-        for active in [a for a in self._active if a.joining is not None]:
+        now = time.monotonic()
+
+        def order(active: Active) -> tuple:
+            begun = active.joining.done > 0 or now - active.job.arrival > STARVING
+            return (not begun, active.joining.left)
+
+        for active in sorted((a for a in self._active if a.joining is not None), key=order):
             if self._ended_early(active):
                 continue
             joining = active.joining
