@@ -247,9 +247,9 @@ class Speculum:
     ) -> engine.Request:
         """What the engine runs for one prompt (a row of a batch or a request alone): its sampling,
         generator and controller. ``drafter``: one of ``drafters_for(config, ...)`` that no other
-        row in flight uses; ``own_controller``: a controller of its own for this row (sharing what
-        the configuration's has learned) instead of the configuration's, when rows of the same
-        configuration run side by side."""
+        row in flight uses; ``own_controller``: the row runs beside others in a batch, with a
+        controller of its own (sharing what the configuration's has learned) instead of the
+        configuration's."""
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

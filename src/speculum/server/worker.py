@@ -364,10 +364,12 @@ class Worker:
             drafter = self._free_drafter(job.config)
             if hasattr(drafter, "save_on_finish"):
                 drafter.save_on_finish = False  # Ouroboros: the worker saves its pool (see _save_if_due)
-            shares = any(a.job.config.key() == job.config.key() for a in self._active)
+            # a request that joins others gets a controller of its own (a lone one runs as
+            # `speculum generate` would, with its configuration's)
+            batched = bool(self._active)
             request = self.spec.request(
                 job.prompt_ids, job.config, drafter, max_new_tokens=job.max_tokens, temperature=job.temperature,
-                top_p=job.top_p, top_k=job.top_k, seed=job.seed, own_controller=shares,
+                top_p=job.top_p, top_k=job.top_k, seed=job.seed, own_controller=batched,
             )  # fmt: skip
             request = engine.check(self.spec.runner, request)
         except SpeculumError as exc:  # e.g. a method that needs a draft model the server has not loaded
