@@ -10,8 +10,11 @@ For each batch size B, in one run, methods interleaved per batch of prompts:
   ``spec.generate([...])``: one target forward per step for every row.
 
 Each batched row is compared with its single-request output (greedy), and the table says how many
-are identical. Prompts come from the report sets (HumanEval, GSM8K, MT-bench, WMT16), chat
-template where the set uses one::
+are identical; for each row that is not, a second table gives the target's logit gap between the two
+competing tokens at the first difference (one plain forward over the shared prefix): a gap of the
+order of the dtype's rounding step is a near-tie that batched and single-row kernels round apart.
+Prompts come from the report sets (HumanEval, GSM8K, MT-bench, WMT16), chat template where the set
+uses one::
 
     python benchmarks/batch_throughput.py gemma-3-270m --dtype float32 --batches 1,4,16 \\
         --methods autoregressive,prompt_lookup,anpd --max-new-tokens 128
@@ -54,6 +57,13 @@ def hf_generate(spec, prompts: list[list[int]], max_new_tokens: int) -> list[lis
     return rows
 
 
+@torch.inference_mode()
+def logit_gap(spec, prefix: list[int], a: int, b: int) -> float:
+    """|logit(a) - logit(b)| after ``prefix``, from one plain forward of the target."""
+    logits = spec.model(input_ids=torch.tensor([prefix], device=spec.runner.input_device)).logits[0, -1].float()
+    return abs(float(logits[a] - logits[b]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default="gemma-3-270m")
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     spec.generate(pool[:2], "autoregressive", max_new_tokens=8)  # warm-up (first forwards, cost model)
     hf_generate(spec, pool[:2], 8)
     totals: dict[tuple[int, str], list[float]] = {}  # (B, method) -> [tokens, seconds, identical, rows]
+    mismatches: list[tuple[int, str, int, list[int], list[int]]] = []  # (B, method, prompt, single, batched)
     offset = 0
     for batch in batches:
         for group in range(args.groups):
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     outputs = [r.token_ids for r in spec.generate(prompts, method, max_new_tokens=n)]
                 seconds = time.perf_counter() - start
                 same = sum(out == one(i) for out, i in zip(outputs, index, strict=True))
+                mismatches += [(batch, method, i, one(i), out) for out, i in zip(outputs, index, strict=True)
+                               if out != one(i)]  # fmt: skip
                 t = totals.setdefault((batch, method), [0.0, 0.0, 0, 0])
                 t[0] += sum(len(o) for o in outputs)
                 t[1] += seconds
@@ -145,6 +158,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {batch} | `{m}` | {rate[m]:.1f} | {rate[m] / rate['hf_generate']:.2f}× | {vs_plain} | "
                 f"{rate[m] / rate['one_at_a_time']:.2f}× | {int(same)}/{int(rows)} |"
             )
+    if mismatches:
+        lines += [
+            "",
+            f"Rows not identical to their single-request output: the target's logit gap ({spec.runner.dtype}) "
+            "between the single-request token and the batched one at the first difference.",
+            "",
+            "| B | method | prompt | position | gap |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for batch, method, i, single_out, batched_out in mismatches:
+            at = next((k for k, (x, y) in enumerate(zip(single_out, batched_out, strict=False)) if x != y), None)
+            if at is None:  # one is a prefix of the other (an EOS taken apart)
+                lines.append(f"| {batch} | `{method}` | {i} | {min(len(single_out), len(batched_out))} | – |")
+                continue
+            gap = logit_gap(spec, pool[i] + single_out[:at], single_out[at], batched_out[at])
+            lines.append(f"| {batch} | `{method}` | {i} | {at} | {gap:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -190,6 +190,18 @@ python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,a
 python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1,16 \
     --requests 16 --max-tokens 128 --dataset humaneval,gsm8k --limit 16 --serve-args "--max-batch 1" \
     --out benchmarks/results/issue19-server-load-gemma-one-at-a-time.md
+# ---- issue #19: the Qwen server at 8 clients, without and with the 0.5B draft, batched and one at a time
+QS="--model qwen2.5-coder-1.5b --concurrency 8 --requests 8 --max-tokens 64 --dataset humaneval,gsm8k --limit 8 --warmup 1"
+python benchmarks/server_load.py $QS --methods autoregressive --out benchmarks/results/issue19-server-load-qwen-plain-batched.md
+python benchmarks/server_load.py $QS --methods autoregressive --serve-args "--max-batch 1" --out benchmarks/results/issue19-server-load-qwen-plain-one.md
+python benchmarks/server_load.py $QS --draft qwen2.5-coder-0.5b --methods auto --out benchmarks/results/issue19-server-load-qwen-draft-batched.md
+python benchmarks/server_load.py $QS --draft qwen2.5-coder-0.5b --methods auto --serve-args "--max-batch 1" --out benchmarks/results/issue19-server-load-qwen-draft-one.md
+# ---- issue #19: the engine on the Qwen pair, and memory over 1,000 batched requests
+python benchmarks/batch_throughput.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --batches 1,4,8 \
+    --methods autoregressive,anpd,draft_model --max-new-tokens 64 --groups 1 --out benchmarks/results/issue19-batch-throughput-qwen-bf16.md
+python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1 --requests 4 --max-tokens 16 \
+    --rss 10,100,500,1000 --rss-max-tokens 32 --rss-concurrency 16 --dataset humaneval,gsm8k,mt_bench --limit 40 \
+    --out benchmarks/results/issue19-server-rss-gemma-batched.md
 # ---- issue #18, third pass: Ouroboros' phrases under the controller (exploration, run depths, drafting time)
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k \
     --limit 5 --max-new-tokens 64 --methods "autoregressive,ouroboros,ouroboros:controller=false" \

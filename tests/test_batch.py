@@ -241,3 +241,29 @@ def test_a_prompt_prefilled_in_chunks_between_steps_drafts_as_if_prefilled_at_on
     chunked = requests[3].stats
     assert chunked.drafted_tokens > 0  # the heads' drafts, from the chunks' hidden states, were those of one prefill:
     assert (chunked.drafted_tokens, chunked.accepted_tokens) == (at_once[3].drafted_tokens, at_once[3].accepted_tokens)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "confidence"])
+def test_draft_model_rows_draft_together_as_they_would_alone(arch, policy, monkeypatch):
+    """Rows with the same draft model run one draft forward per draft step for all of them
+    (``propose_rows``), and each row drafts exactly what it drafts alone."""
+    name, model, draft, heads, refs = arch
+    params = {"num_speculative_tokens": 4, "length_policy": policy}
+    alone = []
+    for prompt, n in zip(PROMPTS, LENGTHS, strict=True):
+        _, stats = run_rows(model, [build_drafter("draft_model", draft, VOCAB, **params)], [n], [prompt])
+        alone.append(stats[0])
+    calls = []
+    runner_forward_rows = ModelRunner.forward_rows
+
+    def counting(self, cache, trees, lengths, **kw):
+        calls.append(self.model is draft)
+        return runner_forward_rows(self, cache, trees, lengths, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", counting)
+    outputs, together = run_rows(model, [build_drafter("draft_model", draft, VOCAB, **params) for _ in PROMPTS])
+    assert outputs == refs
+    assert [(s.drafted_tokens, s.accepted_tokens) for s in together] == [
+        (s.drafted_tokens, s.accepted_tokens) for s in alone
+    ]
+    assert any(calls)  # the draft model ran batched forwards

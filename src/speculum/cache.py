@@ -136,3 +136,17 @@ def keep_paths(cache: DynamicCache, columns: int, lengths: list[int], paths: lis
                 r, source, target = (torch.tensor(x, device=tensor.device) for x in (rows, sources, targets))
                 tensor[r, :, target] = tensor[r, :, source]
     crop(cache, max(length + len(path) for length, path in zip(lengths, paths, strict=True)))
+
+
+@torch.inference_mode()
+def split_rows(cache: DynamicCache, lengths: list[int]) -> list[DynamicCache]:
+    """One single-row cache per row of ``cache``, row r cropped to its ``lengths[r]`` columns."""
+    rows = []
+    for r, length in enumerate(lengths):
+        row = DynamicCache()
+        for i in range(len(cache.layers)):
+            kv = _keys_values(cache, i)
+            if kv is not None and length > 0:
+                _set_layer(row, i, *(t[r : r + 1, :, :length].clone() for t in kv))
+        rows.append(row)
+    return rows

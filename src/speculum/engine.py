@@ -134,29 +134,34 @@ class Row:
         """Columns of the row in the target's cache: every committed token but the root."""
         return len(self.tokens) - 1
 
-    def propose(self, rows: int = 1, floor: int = 1) -> None:
-        """Ask the drafter (unless the controller takes a plain step) and build the tree to verify;
-        ``rows``: the batch's size this step, ``floor``: the largest tree of the rows before this one
-        (the batch pads every tree to the largest)."""
-        request, ctx, stats = self.request, self.ctx, self.stats
-        controller = request.controller
-        ctx.max_depth = request.max_new_tokens - stats.new_tokens - 1
+    def ask(self) -> bool:
+        """Start the round: whether the drafter is asked (False: the controller takes a plain step)."""
+        request, ctx = self.request, self.ctx
+        ctx.max_depth = request.max_new_tokens - self.stats.new_tokens - 1
         self.t0 = time.perf_counter()
-        self.asked = ctx.max_depth > 0 and (controller is None or controller.wants_draft())
-        draft = self.draft = request.drafter.propose(ctx) if self.asked else None
-        self.t1 = time.perf_counter()
+        self.asked = ctx.max_depth > 0 and (request.controller is None or request.controller.wants_draft())
+        self.draft = None
+        return self.asked
+
+    def plan(self, draft_seconds: float, rows: int = 1, floor: int = 1) -> None:
+        """The drafter's draft is in (``draft_seconds`` of drafting): the controller's plan and the
+        tree to verify; ``rows``: the batch's size this step, ``floor``: the largest tree of the rows
+        before this one (the batch pads every tree to the largest)."""
+        request, ctx, stats, draft = self.request, self.ctx, self.stats, self.draft
+        controller = request.controller
+        self.t1 = self.t0 + draft_seconds
         keep = None
         if controller is not None and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(
                 draft, ctx.max_depth, drafter.prunable, drafter.whole_sources,
-                draft_seconds=self.t1 - self.t0, rows=rows, floor=floor,
+                draft_seconds=draft_seconds, rows=rows, floor=floor,
             )  # fmt: skip
             keep = plan.keep
             stats.nodes_pruned += plan.pruned
             stats.rounds_explored += plan.explored
             stats.predicted_tokens += plan.expected_tokens
-            stats.predicted_time += plan.predicted_seconds + (self.t1 - self.t0)
+            stats.predicted_time += plan.predicted_seconds + draft_seconds
         self.tc = time.perf_counter()
         self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
 
@@ -322,12 +327,36 @@ class Batch:
         row.stats.stop_reason = row.stats.stop_reason or reason
         row.request.drafter.finish(row.ctx)
 
+    @staticmethod
+    def _draft(asked: list[Row]) -> dict[int, float]:
+        """Each asked row's draft (``Row.draft``); the seconds of drafting each is charged. Rows whose
+        drafters share a ``batch_key`` propose together and share the time it took."""
+        groups: dict[object, list[Row]] = {}
+        for row in asked:
+            key = getattr(row.request.drafter, "batch_key", None)  # (a duck-typed drafter proposes alone)
+            groups.setdefault(id(row) if key is None else key, []).append(row)
+        seconds: dict[int, float] = {}
+        for members in groups.values():
+            start = time.perf_counter()
+            if len(members) == 1:
+                members[0].draft = members[0].request.drafter.propose(members[0].ctx)
+            else:
+                drafters = [row.request.drafter for row in members]
+                drafts = type(drafters[0]).propose_rows(drafters, [row.ctx for row in members])
+                for row, draft in zip(members, drafts, strict=True):
+                    row.draft = draft
+            share = (time.perf_counter() - start) / len(members)
+            for row in members:
+                seconds[id(row)] = share
+        return seconds
+
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round for every row: the tokens each committed (finished rows have left after it)."""
         rows = list(self.rows)
+        drafting = self._draft([row for row in rows if row.ask()])
         floor = 1
         for row in rows:
-            row.propose(len(rows), floor)
+            row.plan(drafting.get(id(row), 0.0), len(rows), floor)
             floor = max(floor, len(row.tree))
         tf = rows[0].tc if len(rows) == 1 else time.perf_counter()
         lengths = [row.cached for row in rows]

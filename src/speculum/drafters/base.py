@@ -226,6 +226,17 @@ class Drafter:
         """Return draft tokens below ``ctx.tokens[-1]``, or None to take a plain decode step."""
         return None
 
+    @property
+    def batch_key(self):
+        """Rows of a batch whose drafters share a key (not None) propose together, through
+        ``propose_rows`` (a draft model runs one forward per draft step for all of them)."""
+        return None
+
+    @classmethod
+    def propose_rows(cls, drafters: list[Drafter], ctxs: list[DraftContext]) -> list[Draft | None]:
+        """``propose`` for several rows at once (drafters with the same ``batch_key``, one per row)."""
+        return [drafter.propose(ctx) for drafter, ctx in zip(drafters, ctxs, strict=True)]
+
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         """Learn from the step's result; ``ctx.tokens`` already holds the newly committed tokens.
         (Not called after the step that ends the request: ``finish`` is.) ``outcome.draft`` is None

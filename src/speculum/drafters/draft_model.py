@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from speculum import cache as cache_ops
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, token_probability
 from speculum.errors import InvalidInputError
 from speculum.policies import DraftStep, check_policy_options, default_draft_length, policy_for
 from speculum.sampling import sample, warp
+from speculum.tree import TokenTree
 
 
 @dataclass
@@ -77,6 +79,53 @@ class DraftModelState:
         return keep
 
 
+class DraftRound:
+    """One round of drafting for one request: the tokens drafted so far and when to stop, whether
+    the draft model's forwards run for this request alone (``propose``) or for a batch of them
+    (``propose_rows``)."""
+
+    def __init__(self, drafter: DraftModelDrafter, ctx: DraftContext, budget: int):
+        self.drafter, self.ctx, self.budget = drafter, ctx, budget
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.scores: list[float] = []
+
+    def catch_up(self) -> list[int]:
+        """What the draft model must be fed first: the committed tokens it has not seen."""
+        keep = self.drafter.state.catch_up(self.ctx.tokens)
+        return self.ctx.tokens[keep:]
+
+    def take(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int] | None:
+        """The draft's next token from ``logits``; what to feed next, or None when the round ends."""
+        ctx, policy = self.ctx, self.drafter.policy
+        if ctx.sampling.greedy:
+            dist = None
+            token = int(logits.argmax())
+        else:
+            dist = warp(logits, ctx.sampling)[0]
+            token = sample(dist, ctx.generator)
+        position = len(self.tokens)
+        if policy.stop_before(DraftStep(position, token, logits, dist, hidden)):
+            return None
+        if dist is not None:
+            self.probs.append(dist)
+        if ctx.wants_scores:
+            # greedy: the draft's probability of its token; sampled: of its most likely token (a
+            # sampled token's own value must not decide whether it is verified)
+            self.scores.append(token_probability(logits, token) if dist is None else float(dist.max()))
+        self.tokens.append(token)
+        if len(self.tokens) >= self.budget or token in ctx.eos_token_ids:
+            return None
+        if policy.should_stop(DraftStep(position, token, logits, dist, hidden)):
+            return None
+        return [token]
+
+    def draft(self) -> Draft | None:
+        if not self.tokens:
+            return None
+        return Draft.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.scores or None)
+
+
 class DraftModelDrafter(Drafter):
     name = "draft_model"
     needs_draft_model = True
@@ -105,6 +154,11 @@ class DraftModelDrafter(Drafter):
         self.policy.reset(ctx.sampling)
         self._forwards = 0
 
+    @property
+    def batch_key(self):
+        """Rows drafting with the same draft model run their draft forwards together (``propose_rows``)."""
+        return ("draft_model", id(self.runner.model))
+
     def _forward(self, token_ids: list[int], ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``token_ids``; the draft's logits after the last one (on the sampling device, at the
         target's width) and, if the policy reads it, its hidden state there."""
@@ -123,42 +177,62 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
         return torch.cat([logits, pad])
 
-    def propose(self, ctx: DraftContext) -> Draft | None:
+    def _begin(self, ctx: DraftContext) -> DraftRound | None:
+        """This round's drafting, or None when the policy drafts nothing."""
         self._asked = True
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
-        if budget < 1:
-            return None
-        keep = self.state.catch_up(ctx.tokens)
-        logits, hidden = self._forward(ctx.tokens[keep:], ctx)
+        return DraftRound(self, ctx, budget) if budget >= 1 else None
 
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        scores: list[float] = []
-        while True:
-            if ctx.sampling.greedy:
-                dist = None
-                token = int(logits.argmax())
-            else:
-                dist = warp(logits, ctx.sampling)[0]
-                token = sample(dist, ctx.generator)
-            if self.policy.stop_before(DraftStep(len(tokens), token, logits, dist, hidden)):
-                break
-            if dist is not None:
-                probs.append(dist)
-            if ctx.wants_scores:
-                # greedy: the draft's probability of its token; sampled: of its most likely token (a
-                # sampled token's own value must not decide whether it is verified)
-                scores.append(token_probability(logits, token) if dist is None else float(dist.max()))
-            tokens.append(token)
-            if len(tokens) >= budget or token in ctx.eos_token_ids:
-                break
-            if self.policy.should_stop(DraftStep(len(tokens) - 1, token, logits, dist, hidden)):
-                break
-            logits, hidden = self._forward([token], ctx)
-        if not tokens:
-            return None
-        return Draft.chain(tokens, torch.stack(probs) if probs else None, scores or None)
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        round_ = self._begin(ctx)
+        return self._draft_alone(round_) if round_ is not None else None
+
+    def _draft_alone(self, round_: DraftRound) -> Draft | None:
+        feed = round_.catch_up()
+        while feed:
+            feed = round_.take(*self._forward(feed, round_.ctx))
+        return round_.draft()
+
+    @classmethod
+    def propose_rows(cls, drafters: list[DraftModelDrafter], ctxs: list[DraftContext]) -> list[Draft | None]:
+        """Every row's draft with one draft forward per draft step for all of them: the rows' draft
+        caches sit side by side for the round (the target's batch layout, ``cache.join``), each
+        row feeds its catch-up tokens then its drafted tokens, a row whose round has ended rides
+        along with a node whose keys are dropped, and the caches are split back at the end."""
+        rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
+        live = [i for i, r in enumerate(rounds) if r is not None]
+        if len(live) < 2:  # nothing to batch
+            return [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+        runner = drafters[live[0]].runner
+        needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
+        cache = runner.new_cache()
+        feeds, lengths = [], []
+        for n, i in enumerate(live):
+            feeds.append(rounds[i].catch_up())
+            state = drafters[i].state
+            lengths.append(len(state.seen))
+            cache_ops.join(cache, n, state.cache)
+        while any(feeds):
+            chains = [drafters[i].state.feed(feed or [ctxs[i].tokens[-1]]) for i, feed in zip(live, feeds, strict=True)]
+            trees = [TokenTree(chain, list(range(-1, len(chain) - 1))) for chain in chains]
+            columns = cache_ops.cache_length(cache)
+            outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
+            paths = [list(range(len(feed))) for feed in feeds]
+            runner.commit_rows(cache, columns, lengths, paths)
+            for n, (i, feed) in enumerate(zip(live, feeds, strict=True)):
+                if not feed:
+                    continue
+                drafter, out = drafters[i], outs[n]
+                drafter._forwards += 1
+                drafter.state.seen.extend(feed)
+                lengths[n] += len(feed)
+                logits = drafter._fit(out.logits[len(feed) - 1].to(ctxs[i].device))
+                hidden = out.hidden[len(feed) - 1] if out.hidden is not None else None
+                feeds[n] = rounds[i].take(logits, hidden) or []
+        for i, row_cache in zip(live, cache_ops.split_rows(cache, lengths), strict=True):
+            drafters[i].state.cache = row_cache
+        return [rounds[i].draft() if rounds[i] is not None else None for i in range(len(drafters))]
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         if self._asked:  # (a plain step the controller chose says nothing about the draft length)
