@@ -267,3 +267,23 @@ def test_draft_model_rows_draft_together_as_they_would_alone(arch, policy, monke
         (s.drafted_tokens, s.accepted_tokens) for s in alone
     ]
     assert any(calls)  # the draft model ran batched forwards
+
+
+def test_auto_rows_run_their_draft_model_batched(monkeypatch):
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.4)
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    calls = []
+    runner_forward_rows = ModelRunner.forward_rows
+
+    def counting(self, cache, trees, lengths, **kw):
+        calls.append(self.model is draft)
+        return runner_forward_rows(self, cache, trees, lengths, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", counting)
+    drafters = [build_drafter("auto", draft, VOCAB, target=model) for _ in PROMPTS]
+    assert len({d.batch_key for d in drafters}) == 1 and drafters[0].batch_key is not None
+    outputs, stats = run_rows(model, drafters)
+    assert outputs == refs
+    assert any(calls) and sum(s.accepted_by.get("draft_model", 0) for s in stats) > 0
+    assert build_drafter("auto", None, VOCAB, target=model).batch_key is None  # n-gram parts only: alone

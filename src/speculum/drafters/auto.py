@@ -210,6 +210,35 @@ class AutoDrafter(Drafter):
             part.draft = draft if draft is not None and len(draft) else None
         return self._merged()
 
+    @property
+    def batch_key(self):
+        """Rows of the same parts whose draft model is the same propose together: each part then
+        proposes for all of them at once (the draft model's forwards batched)."""
+        keys = tuple(getattr(part.drafter, "batch_key", None) for part in self.parts)
+        return ("auto", tuple(self.names), keys) if any(k is not None for k in keys) else None
+
+    @classmethod
+    def propose_rows(cls, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> list[Draft | None]:
+        for drafter in drafters:
+            drafter._round_start = time.perf_counter()
+            drafter._proposed = True
+            drafter._used_model = drafter.gate.use()
+            for part in drafter.parts:
+                part.draft = None
+        for k, part in enumerate(drafters[0].parts):
+            rows = [(d, ctx) for d, ctx in zip(drafters, ctxs, strict=True)
+                    if part.name not in MODEL_DRAFTERS or d._used_model]  # fmt: skip
+            if not rows:
+                continue
+            parts = [d.parts[k].drafter for d, _ in rows]
+            if len(rows) > 1 and getattr(parts[0], "batch_key", None) is not None:
+                drafts = type(parts[0]).propose_rows(parts, [ctx for _, ctx in rows])
+            else:
+                drafts = [p.propose(ctx) for p, (_, ctx) in zip(parts, rows, strict=True)]
+            for (d, _), draft in zip(rows, drafts, strict=True):
+                d.parts[k].draft = draft if draft is not None and len(draft) else None
+        return [drafter._merged() for drafter in drafters]
+
     def _merged(self) -> Draft | None:
         """One draft of every part's (see the module docstring)."""
         tokens: list[int] = []
