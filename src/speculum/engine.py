@@ -203,6 +203,8 @@ class Row:
                 draft,
                 TargetOutputs(tree, out.logits, request.sampling, path_hidden, verdict.argmax),
             )
+            if rows > 1:  # what the round cost this row: its own drafting and its share of the forward
+                outcome.stats["row_seconds"] = (self.t1 - self.t0) + (t2 - tf) / rows
             request.drafter.observe(ctx, outcome)
         t4 = time.perf_counter()
         own_draft = (self.t1 - self.t0) + (t4 - t3)

@@ -273,7 +273,10 @@ class AutoDrafter(Drafter):
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         if self._proposed:  # the round's goodput, drafting and verification included
-            self.gate.record(self._used_model, len(outcome.accepted) + 1, time.perf_counter() - self._round_start)
+            # in a batch the engine says what the round cost this row (its drafting, its share of the
+            # forward): the time since the round began is filled by every row's drafting alike
+            seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start)
+            self.gate.record(self._used_model, len(outcome.accepted) + 1, seconds)
         for part in self.parts:
             part.drafter.observe(ctx, self._outcome_for(part, outcome))
             part.draft = None

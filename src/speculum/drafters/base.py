@@ -197,6 +197,8 @@ class Outcome:
     drafted: int  # how many tree nodes were verified below the root (merged duplicates counted once)
     draft: Draft | None = None  # the draft as proposed
     target: TargetOutputs | None = None
+    # what the engine measured of the step; in a batch, "row_seconds": the round's cost to this row
+    # (its own drafting and its share of the forward)
     stats: dict = field(default_factory=dict)
 
 
