@@ -60,6 +60,19 @@ def run_rows(model, drafters, lengths=LENGTHS, prompts=PROMPTS, controllers=None
     return outputs, [r.stats for r in requests]
 
 
+def record_batched_forwards(monkeypatch, draft) -> list[bool]:
+    """Record, for every batched forward from now on, whether it ran the draft model."""
+    calls = []
+    forward_rows = ModelRunner.forward_rows
+
+    def recording(self, cache, trees, lengths, **kw):
+        calls.append(self.model is draft)
+        return forward_rows(self, cache, trees, lengths, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", recording)
+    return calls
+
+
 METHODS = ["autoregressive", "prompt_lookup", "anpd", "lookahead", "draft_model", "ouroboros", "medusa", "ctc",
            "auto", "random_tree"]  # fmt: skip
 
@@ -253,14 +266,7 @@ def test_draft_model_rows_draft_together_as_they_would_alone(arch, policy, monke
     for prompt, n in zip(PROMPTS, LENGTHS, strict=True):
         _, stats = run_rows(model, [build_drafter("draft_model", draft, VOCAB, **params)], [n], [prompt])
         alone.append(stats[0])
-    calls = []
-    runner_forward_rows = ModelRunner.forward_rows
-
-    def counting(self, cache, trees, lengths, **kw):
-        calls.append(self.model is draft)
-        return runner_forward_rows(self, cache, trees, lengths, **kw)
-
-    monkeypatch.setattr(ModelRunner, "forward_rows", counting)
+    calls = record_batched_forwards(monkeypatch, draft)
     outputs, together = run_rows(model, [build_drafter("draft_model", draft, VOCAB, **params) for _ in PROMPTS])
     assert outputs == refs
     assert [(s.drafted_tokens, s.accepted_tokens) for s in together] == [
@@ -273,14 +279,7 @@ def test_auto_rows_run_their_draft_model_batched(monkeypatch):
     model = tiny_model("llama")
     draft = perturbed_copy(model, scale=0.4)
     refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
-    calls = []
-    runner_forward_rows = ModelRunner.forward_rows
-
-    def counting(self, cache, trees, lengths, **kw):
-        calls.append(self.model is draft)
-        return runner_forward_rows(self, cache, trees, lengths, **kw)
-
-    monkeypatch.setattr(ModelRunner, "forward_rows", counting)
+    calls = record_batched_forwards(monkeypatch, draft)
     drafters = [build_drafter("auto", draft, VOCAB, target=model) for _ in PROMPTS]
     assert len({d.batch_key for d in drafters}) == 1 and drafters[0].batch_key is not None
     outputs, stats = run_rows(model, drafters)

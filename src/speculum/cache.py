@@ -129,12 +129,13 @@ def keep_paths(cache: DynamicCache, columns: int, lengths: list[int], paths: lis
         rows += [r] * len(path)
         sources += [columns + node for node in path]
         targets += range(length, length + len(path))
-    if rows:
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)
-                r, source, target = (torch.tensor(x, device=tensor.device) for x in (rows, sources, targets))
-                tensor[r, :, target] = tensor[r, :, source]
+    index: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # made once per device, not per layer
+    for layer in cache.layers if rows else ():
+        for tensor in (layer.keys, layer.values):
+            if tensor.device not in index:
+                index[tensor.device] = tuple(torch.tensor(x, device=tensor.device) for x in (rows, sources, targets))
+            r, source, target = index[tensor.device]
+            tensor[r, :, target] = tensor[r, :, source]
     crop(cache, max(length + len(path) for length, path in zip(lengths, paths, strict=True)))
 
 
