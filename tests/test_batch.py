@@ -286,3 +286,71 @@ def test_auto_rows_run_their_draft_model_batched(monkeypatch):
     assert outputs == refs
     assert any(calls) and sum(s.accepted_by.get("draft_model", 0) for s in stats) > 0
     assert build_drafter("auto", None, VOCAB, target=model).batch_key is None  # n-gram parts only: alone
+
+
+def test_auto_rows_share_one_model_gate_per_batch_size(monkeypatch):
+    """The draft model's gate is one per batch size for the whole configuration: the rows of a batch
+    run it or skip it together, and what it learned holds for the next requests."""
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.4)
+    config = speculum.SpeculativeConfig("auto")
+    resources = speculum.drafters.base.Resources(target=model, draft_model=draft, vocab_size=VOCAB, model_key="t")
+    drafters = [config.drafter_class()(config.options(), resources) for _ in PROMPTS]
+    assert drafters[0].gate(4) is drafters[3].gate(3) and drafters[0].gate(4) is not drafters[0].gate(2)
+    sizes = []
+    forward_rows = ModelRunner.forward_rows
+
+    def recording(self, cache, trees, lengths, **kw):
+        if self.model is draft:
+            sizes.append(len(trees))
+        return forward_rows(self, cache, trees, lengths, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", recording)
+    drafters[0].gate(4)._skip = 10_000  # the model stopped paying with 3-4 rows: it must not run there
+    refs = [reference_greedy(model, p, 8) for p in PROMPTS]
+    outputs, stats = run_rows(model, drafters, [8] * 4)
+    assert outputs == refs and all(size <= 2 for size in sizes)  # only once the batch was down to 2 rows
+    assert drafters[0].gate(4).with_model.tokens is None
+    sizes.clear()
+    # two rows: their gate is another, which runs the model for both rows at once and learns from them
+    prompts = [PROMPTS[1], [3, 9, 27, 17]]
+    refs = [reference_greedy(model, p, 16) for p in prompts]
+    outputs, _ = run_rows(model, drafters[:2], [16, 16], prompts)
+    assert outputs == refs and sizes and set(sizes) == {2}
+    gate = drafters[0].gate(2)
+    assert gate.with_model.tokens is not None and gate.with_model.rounds > 1  # a round per step, not per row
+    assert config.drafter_class()(config.options(), resources).gate(2) is gate  # kept for the next requests
+
+
+def test_draft_model_rows_take_plain_steps_when_a_batch_makes_drafting_dear():
+    """draft_model runs without the controller alone (measured better so), but in a batch its rows get
+    one that decides whether they draft: where verifying their chains costs the batch more than
+    it gains, they take plain steps, and stay exact."""
+    target = tiny_model("llama")
+    spec = speculum.Speculum(target, word_tokenizer(), perturbed_copy(target, scale=2.0), word_tokenizer())
+    # a plain step of 4 rows costs what one row's does, 4 rows of drafted chains 20 times it
+    spec.cost_model = CostModel([(1, 0.010), (4, 0.010), (8, 0.200), (64, 1.6)])
+    alone = [spec.generate(p, "draft_model", max_new_tokens=40) for p in TEXTS]
+    assert all(r.stats.rounds_plain <= 1 for r in alone)  # alone: the method as it is (the last token: no draft)
+    together = spec.generate(TEXTS, "draft_model", max_new_tokens=40)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sum(r.stats.rounds_plain for r in together) > sum(r.stats.rounds_drafted for r in together)
+    paper = spec.generate(TEXTS, "draft_model", max_new_tokens=40, preset="paper")
+    assert all(r.stats.rounds_plain + r.stats.rounds_drafted == 0 for r in paper)  # no controller at all
+
+
+@pytest.mark.parametrize("method", ["ouroboros", "auto"])
+def test_a_drafter_reused_after_a_request_that_ended_on_a_draft_starts_clean(method):
+    """A request can end on a drafted round, which its drafter never observes; the next request on
+    that drafter may begin with a plain step (a batch verdict says so) and must not read that draft."""
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.4)
+    drafter = build_drafter(method, draft, VOCAB, target=model, **(OUROBOROS_SMALL if method == "ouroboros" else {}))
+    prompt = repetitive_prompt(24, 5, 0)
+    ref = reference_greedy(model, prompt, 7)
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 7)
+    assert [t for step in steps for t in step] == ref  # a repetitive prompt: the last round drafted
+    controller = Controller(CostModel([(1, 0.010), (64, 0.011)]), carry_backoff=True)
+    controller._plain_left = 2  # the next request's first rounds: plain steps
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 7, controller=controller)
+    assert [t for step in steps for t in step] == ref

@@ -105,6 +105,73 @@ def test_the_batch_cost_is_learnt_per_batch_size_from_its_forwards():
     assert cost(1) == 0.010  # the single-row curve is untouched
 
 
+def run_batch_steps(rows, steps, accepted_of, cost, draft_seconds=0.004, controllers=None, first_step=0):
+    """Feed the row controllers of one configuration synthetic batched steps of ``rows`` rows (each
+    drafting row accepts ``accepted_of(step)`` of a 4-token chain, verified whole); which steps drafted."""
+    shared = Controller(cost)
+    controllers = controllers or [shared.for_row() for _ in range(rows)]
+    drafted = []
+    for step in range(first_step, first_step + steps):
+        asks = [c.wants_draft(rows, step) for c in controllers]
+        assert len(set(asks)) == 1  # one decision for the rows of a step
+        drafted.append(asks[0])
+        padded = 5 if asks[0] else 1
+        forward = cost.batch(rows, padded)
+        for c in controllers:
+            if asks[0]:
+                draft = chain_draft(4, 0.5)
+                tree = TokenTree.from_draft(1, draft)
+                accepted = accepted_of(step)
+                c.observe_round(
+                    tree, list(range(accepted + 1)), draft, asked=True, committed=accepted + 1,
+                    forward_seconds=forward, round_seconds=forward + draft_seconds,
+                    draft_seconds=draft_seconds, rows=rows, padded=padded,
+                )  # fmt: skip
+            else:
+                c.observe_round(
+                    TokenTree([1], [-1]), [0], None, asked=False, committed=1, forward_seconds=forward,
+                    round_seconds=forward, rows=rows, padded=1,
+                )  # fmt: skip
+    return drafted, controllers
+
+
+# 8 rows: a plain batched step costs 20 ms, 8 rows of 5 nodes 60 ms (the forward is compute-bound)
+BATCHED = CostModel([(1, 0.010), (8, 0.020), (40, 0.060), (64, 0.090)])
+
+
+def test_rows_of_a_batch_stop_drafting_together_when_it_does_not_pay_at_that_batch_size():
+    # 2 of 4 tokens accepted: 3 tokens a row for 3x the step, plus drafting: a loss at 8 rows
+    drafted, controllers = run_batch_steps(8, 200, lambda step: 2, BATCHED)
+    assert all(drafted[:3]) and sum(drafted[-100:]) <= 3 * (100 // 32 + 1)
+    # what was learnt holds for the next requests' rows (new controllers of the configuration)
+    later = [controllers[0].for_row() for _ in range(8)]
+    for controller in later:
+        controller.start()  # a greedy request's own back-off starts afresh
+    assert sum(run_batch_steps(8, 20, lambda step: 2, BATCHED, controllers=later, first_step=200)[0]) <= 3
+    # and says nothing of another batch size, nor of a request decoding alone
+    alone = controllers[0].for_row()
+    alone.start()
+    assert controllers[0].verdict(2) is not controllers[0].verdict(8) and alone.wants_draft()
+
+
+def test_rows_of_a_batch_draft_again_when_drafts_become_good():
+    drafted, controllers = run_batch_steps(8, 200, lambda step: 0, BATCHED)
+    assert sum(drafted[-100:]) <= 3 * (100 // 32 + 1)
+    # all 4 accepted: 5 tokens a row for 3x the step pays; noticed within the back-off cap
+    again, _ = run_batch_steps(8, 300, lambda step: 4, BATCHED, controllers=controllers, first_step=200)
+    first = again.index(True)
+    assert first <= 8 * 32 and all(again[first + 1 :])
+
+
+def test_a_gate_only_row_controller_decides_only_whether_a_batch_drafts():
+    shared = Controller(BATCHED)
+    rows = [shared.for_row(gate_only=True) for _ in range(8)]
+    drafted, _ = run_batch_steps(8, 100, lambda step: 0, BATCHED, controllers=rows)
+    assert all(drafted[:3]) and sum(drafted[-50:]) <= 6
+    alone = shared.for_row(gate_only=True)
+    assert all(run_rounds(alone, 50, accepted_of=lambda i: 0))  # alone: never a plain step of its own
+
+
 def test_calibration_learns_what_the_target_accepts():
     cal = Calibration()
     assert cal.estimate(0.95, 1) > 0.8  # before any evidence: the drafter's own belief

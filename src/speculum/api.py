@@ -260,6 +260,8 @@ class Speculum:
         if config.controlled(seeded_sampling):
             controller = self.controller_for(config, not sampling.greedy)
             controller = controller.for_row() if own_controller else controller
+        elif config.gated_in_batches(seeded_sampling):  # (alone, it leaves the request as it is)
+            controller = self.controller_for(config, not sampling.greedy).for_row(gate_only=True)
         return engine.Request(
             list(prompt_ids), drafter, sampling, max_new_tokens, self.eos_token_ids,
             self._generator(sampling, seed), Stats(), controller,

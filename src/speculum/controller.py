@@ -48,7 +48,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from speculum.costs import CostModel
+from speculum.costs import CostModel, size_bucket
 from speculum.tree import Draft, TokenTree
 
 BINS = 10  # calibration bins over a drafter's score in [0, 1]
@@ -129,6 +129,63 @@ class Goodput:
         return None if self.tokens is None else self.tokens / max(self.seconds, 1e-9)
 
 
+class BatchVerdict:
+    """Whether the rows of one configuration draft this step, at one batch size (shared by their
+    controllers, kept across requests): the goodput of the rows that drafted, each on its share of
+    the step, against a plain batched step's share. A step is one decision for every row (a draft
+    model then runs for all of them or none, and rows that would not draft cost no proposing);
+    when drafting stops paying, plain steps for a back-off of 1, 2, 4, ... steps, grown as the
+    controller's is until a probe loses at most ``exploration`` of the time."""
+
+    def __init__(self, max_backoff: int, exploration: float, goodput: Goodput, margin: float):
+        self.max_backoff = max_backoff
+        self.exploration = exploration
+        self.margin = margin
+        self.asked = goodput
+        self._backoff, self._skip, self._probe = 1, 0, False
+        self._losses: list[float] = []
+        self._step: object = None
+        self._decision = True
+        self._pending = [0.0, 0.0, 0.0, 0]  # this step's drafting rows: tokens, seconds, plain seconds, rows
+
+    def asks(self, step: object) -> bool:
+        """Whether rows draft in ``step`` (the same answer for every row of one step)."""
+        if step != self._step:
+            self._step = step
+            self._fold()
+            self._decision = self._skip == 0
+            if self._skip:
+                self._skip -= 1
+                self._probe = self._skip == 0
+        return self._decision
+
+    def record(self, tokens: int, seconds: float, plain_seconds: float) -> None:
+        """A drafting row's round: its tokens, its share of the step, and what a plain share costs."""
+        pending = self._pending
+        pending[0] += tokens
+        pending[1] += seconds
+        pending[2] += plain_seconds
+        pending[3] += 1
+
+    def _fold(self) -> None:
+        tokens, seconds, plain_seconds, rows = self._pending
+        self._pending = [0.0, 0.0, 0.0, 0]
+        if not rows:
+            return
+        self.asked.add(tokens, seconds, fresh=self._probe)
+        loss = (seconds / plain_seconds - tokens / rows) if plain_seconds > 0 else 0.0  # plain steps lost a row
+        self._losses = (([] if self._probe else self._losses) + [loss])[-self.asked.min_evidence :]
+        self._probe = False
+        if not self.asked.judged:
+            return
+        if self.asked.rate < (rows / plain_seconds) * (1.0 + self.margin):
+            self._skip = self._backoff
+            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
+            self._backoff = min(self._backoff * 2, cap)
+        else:
+            self._backoff = 1
+
+
 @dataclass
 class Plan:
     """What the controller decided for one round."""
@@ -193,16 +250,32 @@ class Controller:
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
         self._drafting = 0.0  # seconds of drafting per asked round, recently
+        # batches: whether a configuration's rows draft at all, one verdict per batch size (shared
+        # by the rows' controllers, see for_row)
+        self.batch_verdicts: dict[int, BatchVerdict] = {}
+        # only decide whether rows of a batch draft; verify what is drafted, and run alone as if there
+        # were no controller (the methods measured better without one, e.g. draft_model)
+        self.gate_only = False
 
     # ------------------------------------------------------------------ per request
 
-    def for_row(self) -> Controller:
+    def for_row(self, gate_only: bool = False) -> Controller:
         """A controller for one row of a batch: its own back-off and goodput (per request), the
-        calibration and cost model shared with this one (what is learned per configuration)."""
+        calibration, cost model and batch verdicts shared with this one (what is learned per
+        configuration). ``gate_only``: see the attribute."""
         row = copy.copy(self)
         row.asked = copy.copy(self.asked)
         row._losses = list(self._losses)
+        row.gate_only = gate_only
         return row
+
+    def verdict(self, rows: int) -> BatchVerdict:
+        """The batch verdict for ``rows`` rows (batch sizes that cost alike share one)."""
+        bucket = size_bucket(rows)
+        if bucket not in self.batch_verdicts:
+            goodput = Goodput(self.asked.smoothing, self.asked.min_evidence)
+            self.batch_verdicts[bucket] = BatchVerdict(self.max_backoff, self.exploration, goodput, self.margin)
+        return self.batch_verdicts[bucket]
 
     def start(self) -> None:
         if not self.carry_backoff:
@@ -212,8 +285,13 @@ class Controller:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
         return 1.0 / max(seconds, 1e-9)
 
-    def wants_draft(self) -> bool:
-        """Whether to ask the drafter this round (False: a plain step)."""
+    def wants_draft(self, rows: int = 1, step: object = None) -> bool:
+        """Whether to ask the drafter this round (False: a plain step); ``rows`` > 1: in ``step`` of
+        a batch of that many rows, where the configuration's batch verdict has a say too."""
+        if self.gate_only:
+            return rows <= 1 or self.verdict(rows).asks(step)
+        if rows > 1 and not self.verdict(rows).asks(step):
+            return False
         if self._plain_left > 0:
             self._plain_left -= 1
             self.probing = self._plain_left == 0  # the round after a back-off is a probe
@@ -380,9 +458,13 @@ class Controller:
             self.cost.observe_batch(rows, padded or len(tree), forward_seconds)
             round_seconds = draft_seconds + forward_seconds / rows + self.overhead
             plain_rate = 1.0 / max(self.cost.batch(rows, 1) / rows + self.overhead, 1e-9)
+            if asked and (len(tree) > 1 or draft_seconds >= self.negligible / plain_rate):
+                self.verdict(rows).record(committed, round_seconds, 1.0 / plain_rate)
         else:
             self.cost.observe(len(tree), forward_seconds)
             plain_rate = self.plain_rate()
+        if self.gate_only:
+            return  # what a row does alone, and which nodes are verified, are not this controller's
         # the exploring budget fills with the time spent; it never holds more than a few plain steps,
         # so a long stretch without anything to explore does not become a burst of whole trees
         self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / plain_rate)

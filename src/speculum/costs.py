@@ -34,7 +34,7 @@ VERSION = 1
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
 
 
-def _bucket(n: int) -> int:
+def size_bucket(n: int) -> int:
     """The size bucket of an n-node forward: powers of two (1, 2, 3-4, 5-8, ...)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -74,7 +74,7 @@ class CostModel:
         return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
 
     def __call__(self, n: int) -> float:
-        return self.base(n) * self._factor(_bucket(n))
+        return self.base(n) * self._factor(size_bucket(n))
 
     def _factor(self, bucket: int) -> float:
         if bucket in self.correction:
@@ -89,7 +89,7 @@ class CostModel:
         """A forward over ``n`` nodes took ``seconds``: move that size's correction towards it."""
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        bucket = _bucket(n)
+        bucket = size_bucket(n)
         ratio = seconds / max(self.base(n), 1e-9)
         old = self.correction.get(bucket)
         self.correction[bucket] = ratio if old is None else old + self.smoothing * (ratio - old)
@@ -101,7 +101,7 @@ class CostModel:
         bucket, as :meth:`observe_batch` learns it."""
         if rows <= 1:
             return self(n)
-        key = (_bucket(rows), _bucket(n))
+        key = (size_bucket(rows), size_bucket(n))
         factor = self.batch_correction.get(key)
         if factor is None:
             same_rows = [k for k in self.batch_correction if k[0] == key[0]]
@@ -116,7 +116,7 @@ class CostModel:
             return
         if seconds <= 0 or not math.isfinite(seconds):
             return
-        key = (_bucket(rows), _bucket(n))
+        key = (size_bucket(rows), size_bucket(n))
         ratio = seconds / max(self.base(rows * n), 1e-9)
         old = self.batch_correction.get(key)
         self.batch_correction[key] = ratio if old is None else old + self.smoothing * (ratio - old)

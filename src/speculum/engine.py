@@ -13,6 +13,7 @@ one (the root of its next tree), which is fed together with the draft in the nex
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -113,6 +114,9 @@ def _many(runner: ModelRunner, requests: list[Request]) -> Iterator[tuple[int, l
         raise
 
 
+_STEPS = itertools.count()  # batch steps, numbered across batches: a step's decisions are made once for its rows
+
+
 class Row:
     """A request in flight: its committed tokens, what its drafter reads, and this step's draft."""
 
@@ -134,12 +138,15 @@ class Row:
         """Columns of the row in the target's cache: every committed token but the root."""
         return len(self.tokens) - 1
 
-    def ask(self) -> bool:
-        """Start the round: whether the drafter is asked (False: the controller takes a plain step)."""
+    def ask(self, rows: int = 1, step: object = None) -> bool:
+        """Start the round (``step`` of a batch of ``rows`` rows): whether the drafter is asked
+        (False: the controller takes a plain step)."""
         request, ctx = self.request, self.ctx
         ctx.max_depth = request.max_new_tokens - self.stats.new_tokens - 1
+        ctx.rows = rows
         self.t0 = time.perf_counter()
-        self.asked = ctx.max_depth > 0 and (request.controller is None or request.controller.wants_draft())
+        controller = request.controller
+        self.asked = ctx.max_depth > 0 and (controller is None or controller.wants_draft(rows, step))
         self.draft = None
         return self.asked
 
@@ -151,7 +158,7 @@ class Row:
         controller = request.controller
         self.t1 = self.t0 + draft_seconds
         keep = None
-        if controller is not None and draft is not None and len(draft):
+        if controller is not None and not controller.gate_only and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(
                 draft, ctx.max_depth, drafter.prunable, drafter.whole_sources,
@@ -304,7 +311,8 @@ class Batch:
         prefill_hidden = None if not hidden else hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         ctx = DraftContext(
             joining.tokens, len(joining.tokens), request.sampling, request.generator, 0, request.eos_token_ids,
-            self.runner.output_device, prefill_hidden, wants_scores=request.controller is not None,
+            self.runner.output_device, prefill_hidden,
+            wants_scores=request.controller is not None and not request.controller.gate_only,
         )  # fmt: skip
         t = time.perf_counter()
         request.drafter.start(ctx)
@@ -355,7 +363,8 @@ class Batch:
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round for every row: the tokens each committed (finished rows have left after it)."""
         rows = list(self.rows)
-        drafting = self._draft([row for row in rows if row.ask()])
+        step = next(_STEPS)
+        drafting = self._draft([row for row in rows if row.ask(len(rows), step)])
         floor = 1
         for row in rows:
             row.plan(drafting.get(id(row), 0.0), len(rows), floor)

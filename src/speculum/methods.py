@@ -155,6 +155,19 @@ class SpeculativeConfig:
         wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
 
+    def gated_in_batches(self, seeded_sampling: bool = False) -> bool:
+        """Whether rows of this uncontrolled config get, in a batch, a controller that only decides
+        whether they draft (``Controller.gate_only``): a method measured better without the
+        controller alone (``UNCONTROLLED_BY_DEFAULT``) still must not cost a batch more than it
+        gives (issue #19: a 0.5B draft model's chains beside a batched 1.5B step ran at 0.57-0.86x
+        batched plain decoding). Not with ``controller=False``, the paper preset or a seeded sample."""
+        return (
+            self.method in UNCONTROLLED_BY_DEFAULT
+            and self.controller is None
+            and self.preset != "paper"
+            and not seeded_sampling
+        )
+
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
         k = f", num_speculative_tokens={self.num_speculative_tokens}" if self.num_speculative_tokens else ""

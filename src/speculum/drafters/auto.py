@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from speculum.controller import Goodput
+from speculum.costs import size_bucket
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -103,7 +104,11 @@ class ModelGate:
     """Whether to run the costly drafters (a draft model, heads) this round: while rounds with them pay
     more per second than rounds without them; after they stop paying they are tried again after 1,
     2, 4, ... ``max_backoff`` rounds, for a probe of a few rounds. While they run, one round in
-    ``refresh`` goes without them, to keep that side's measure fresh."""
+    ``refresh`` goes without them, to keep that side's measure fresh.
+
+    A round is one decision (``use``) and what it gave (``record``), summed over the rows it was
+    made for: in a batch, one gate decides for every row of the configuration at once (their draft
+    model runs batched, so its cost is the group's, not a row's)."""
 
     def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03):
         self.max_backoff = max_backoff
@@ -112,8 +117,10 @@ class ModelGate:
         self.with_model, self.without_model = Goodput(), Goodput()
         self._backoff, self._skip, self._probe = 1, 0, False
         self._since_refresh = 0
+        self._pending: dict[bool, list[float]] = {}  # used -> [tokens, seconds] of the round recorded so far
 
     def use(self) -> bool:
+        self._fold()
         if self._skip > 0:
             self._skip -= 1
             self._probe = self._skip == 0
@@ -121,6 +128,17 @@ class ModelGate:
         return True
 
     def record(self, used: bool, tokens: int, seconds: float) -> None:
+        """One row's part of the round decided last (learned from at the next decision)."""
+        pending = self._pending.setdefault(used, [0.0, 0.0])
+        pending[0] += tokens
+        pending[1] += seconds
+
+    def _fold(self) -> None:
+        pending, self._pending = self._pending, {}
+        for used, (tokens, seconds) in pending.items():
+            self._learn(used, tokens, seconds)
+
+    def _learn(self, used: bool, tokens: float, seconds: float) -> None:
         if not used:
             self.without_model.add(tokens, seconds)
             return
@@ -175,7 +193,14 @@ class AutoDrafter(Drafter):
         # tokens it had already paid for (Qwen pair, issue #18: auto 1.41x against draft_model's 1.57x
         # on HumanEval, 222 nodes pruned); n-gram branches and head trees are still pruned
         self.whole_sources = frozenset({"draft_model"}) & set(self.names)
-        self.gate = ModelGate(options.max_backoff)
+        # the model gates, one per batch size (a draft model that pays alone may not beside 7 other
+        # rows), shared by every drafter of this configuration: what one request learned, the next
+        # one starts from, and the rows of a batch decide together
+        self._gates = resources.shared.setdefault(
+            ("auto.model_gates", tuple(self.names), options.num_speculative_tokens, options.draft_depth,
+             options.max_backoff), {},
+        )  # fmt: skip
+        self._gate: ModelGate | None = None  # the gate that decided this round
         self._proposed = False  # propose ran this round (the controller may have chosen a plain step)
         self._used_model = False
         self._round_start = 0.0
@@ -197,11 +222,22 @@ class AutoDrafter(Drafter):
         for part in self.parts:
             part.drafter.start(ctx)
             part.draft = None
+        # the last request may have ended on a drafted round, which was never observed
+        self._proposed = self._used_model = False
+        self._gate = None
+
+    def gate(self, rows: int = 1) -> ModelGate:
+        """The model gate for batches of ``rows`` rows."""
+        bucket = size_bucket(rows)
+        if bucket not in self._gates:
+            self._gates[bucket] = ModelGate(self.options.max_backoff)
+        return self._gates[bucket]
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         self._round_start = time.perf_counter()
         self._proposed = True
-        self._used_model = self.gate.use()
+        self._gate = self.gate(ctx.rows)
+        self._used_model = self._gate.use()
         for part in self.parts:
             part.draft = None
             if part.name in MODEL_DRAFTERS and not self._used_model:
@@ -219,10 +255,12 @@ class AutoDrafter(Drafter):
 
     @classmethod
     def propose_rows(cls, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> list[Draft | None]:
+        gate = drafters[0].gate(ctxs[0].rows)
+        used = gate.use()  # one decision for the rows: the draft model runs for all of them or none
         for drafter in drafters:
             drafter._round_start = time.perf_counter()
             drafter._proposed = True
-            drafter._used_model = drafter.gate.use()
+            drafter._gate, drafter._used_model = gate, used
             for part in drafter.parts:
                 part.draft = None
         for k, part in enumerate(drafters[0].parts):
@@ -276,11 +314,12 @@ class AutoDrafter(Drafter):
             # in a batch the engine says what the round cost this row (its drafting, its share of the
             # forward): the time since the round began is filled by every row's drafting alike
             seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start)
-            self.gate.record(self._used_model, len(outcome.accepted) + 1, seconds)
+            self._gate.record(self._used_model, len(outcome.accepted) + 1, seconds)
         for part in self.parts:
             part.drafter.observe(ctx, self._outcome_for(part, outcome))
             part.draft = None
         self._proposed = self._used_model = False
+        self._gate = None
 
     def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
         """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own

@@ -116,6 +116,8 @@ class DraftContext:
     # Whether a controller reads Draft.scores (a drafter that pays something to compute them skips
     # that otherwise).
     wants_scores: bool = False
+    # Rows in the batch this step (the engine sets it; 1: decoding alone).
+    rows: int = 1
 
 
 def token_probability(logits: torch.Tensor, token: int) -> float:

@@ -188,6 +188,9 @@ class OuroborosDrafter(Drafter):
             self.pool = self._pool()
         self._forwards = 0
         self._context_done = 0
+        # a request that ended on a drafted round left that round's draft unobserved; the next
+        # request's first round may be a plain step, which must not read it
+        self._chain, self._phrases = [], []
         self._add_context_phrases(ctx.tokens)
 
     def _add_context_phrases(self, tokens: list[int]) -> None:
