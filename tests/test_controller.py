@@ -142,7 +142,7 @@ BATCHED = CostModel([(1, 0.010), (8, 0.020), (40, 0.060), (64, 0.090)])
 def test_rows_of_a_batch_stop_drafting_together_when_it_does_not_pay_at_that_batch_size():
     # 2 of 4 tokens accepted: 3 tokens a row for 3x the step, plus drafting: a loss at 8 rows
     drafted, controllers = run_batch_steps(8, 200, lambda step: 2, BATCHED)
-    assert all(drafted[:3]) and sum(drafted[-100:]) <= 3 * (100 // 32 + 1)
+    assert drafted[0] and sum(drafted[-100:]) <= 100 // 32 + 1  # a probe: one step (8 rows of evidence)
     # what was learnt holds for the next requests' rows (new controllers of the configuration)
     later = [controllers[0].for_row() for _ in range(8)]
     for controller in later:
@@ -167,7 +167,7 @@ def test_a_gate_only_row_controller_decides_only_whether_a_batch_drafts():
     shared = Controller(BATCHED)
     rows = [shared.for_row(gate_only=True) for _ in range(8)]
     drafted, _ = run_batch_steps(8, 100, lambda step: 0, BATCHED, controllers=rows)
-    assert all(drafted[:3]) and sum(drafted[-50:]) <= 6
+    assert drafted[0] and sum(drafted[-50:]) <= 2
     alone = shared.for_row(gate_only=True)
     assert all(run_rounds(alone, 50, accepted_of=lambda i: 0))  # alone: never a plain step of its own
 

@@ -32,6 +32,12 @@ decoding:
   every 4 accepted tokens uncontrolled): while a pruned node's bin has less than
   ``EXPLORE_EVIDENCE`` samples and its parent is kept, a round verifies the whole proposal whenever a budget, filled at
   ``explore_share`` of the time spent, covers what the extra nodes cost under t(n).
+- **Batches.** In a batch the rows of a configuration draft or not together, step by step
+  (:class:`BatchVerdict`: one per batch size, shared by the rows' controllers and kept across
+  requests): a draft model then runs for all of them or none, and where drafting does not pay at
+  that batch size no row pays for proposing. Each row is judged on its share of the step against a
+  plain batched step's share; a new batch size starts from what the nearest smaller one learned.
+  Which nodes a row verifies stays the row's own plan, weighed against the whole batch's output.
 - **Greedy and sampled requests** get a controller each (P(accepted | score) differs between them).
   A greedy request starts its back-off afresh, since what an n-gram drafter can copy depends on the
   prompt; a sampled one carries it over from the last request, since at T=1 the temperature
@@ -110,14 +116,17 @@ class Goodput:
         self.seconds = 0.0
         self.rounds = 0  # since the last fresh start
 
-    def add(self, tokens: int, seconds: float, fresh: bool = False) -> None:
-        if fresh or self.tokens is None:
-            self.tokens, self.seconds, self.rounds = float(tokens), seconds, 1
-            return
-        self.rounds += 1
-        weight = 1.0 / self.rounds if self.rounds <= self.min_evidence else self.smoothing
-        self.tokens += weight * (tokens - self.tokens)
-        self.seconds += weight * (seconds - self.seconds)
+    def add(self, tokens: float, seconds: float, fresh: bool = False, rows: int = 1) -> None:
+        """One round's tokens and seconds; ``rows`` > 1: the mean of that many rows' rounds taken
+        together (a batch), each a sample (rows acceptance does not tie together)."""
+        for i in range(rows):
+            if (fresh and i == 0) or self.tokens is None:
+                self.tokens, self.seconds, self.rounds = float(tokens), seconds, 1
+                continue
+            self.rounds += 1
+            weight = 1.0 / self.rounds if self.rounds <= self.min_evidence else self.smoothing
+            self.tokens += weight * (tokens - self.tokens)
+            self.seconds += weight * (seconds - self.seconds)
 
     @property
     def judged(self) -> bool:
@@ -148,6 +157,11 @@ class BatchVerdict:
         self._decision = True
         self._pending = [0.0, 0.0, 0.0, 0]  # this step's drafting rows: tokens, seconds, plain seconds, rows
 
+    def copied(self) -> BatchVerdict:
+        twin = copy.deepcopy(self)
+        twin._pending, twin._step = [0.0, 0.0, 0.0, 0], None
+        return twin
+
     def asks(self, step: object) -> bool:
         """Whether rows draft in ``step`` (the same answer for every row of one step)."""
         if step != self._step:
@@ -172,7 +186,7 @@ class BatchVerdict:
         self._pending = [0.0, 0.0, 0.0, 0]
         if not rows:
             return
-        self.asked.add(tokens, seconds, fresh=self._probe)
+        self.asked.add(tokens / rows, seconds / rows, fresh=self._probe, rows=rows)
         loss = (seconds / plain_seconds - tokens / rows) if plain_seconds > 0 else 0.0  # plain steps lost a row
         self._losses = (([] if self._probe else self._losses) + [loss])[-self.asked.min_evidence :]
         self._probe = False
@@ -270,12 +284,14 @@ class Controller:
         return row
 
     def verdict(self, rows: int) -> BatchVerdict:
-        """The batch verdict for ``rows`` rows (batch sizes that cost alike share one)."""
-        bucket = size_bucket(rows)
-        if bucket not in self.batch_verdicts:
+        """The batch verdict for ``rows`` rows (batch sizes that cost alike share one; a new one
+        starts from the nearest smaller size's, see :func:`by_batch_size`)."""
+
+        def new() -> BatchVerdict:
             goodput = Goodput(self.asked.smoothing, self.asked.min_evidence)
-            self.batch_verdicts[bucket] = BatchVerdict(self.max_backoff, self.exploration, goodput, self.margin)
-        return self.batch_verdicts[bucket]
+            return BatchVerdict(self.max_backoff, self.exploration, goodput, self.margin)
+
+        return by_batch_size(self.batch_verdicts, rows, new)
 
     def start(self) -> None:
         if not self.carry_backoff:
@@ -288,10 +304,10 @@ class Controller:
     def wants_draft(self, rows: int = 1, step: object = None) -> bool:
         """Whether to ask the drafter this round (False: a plain step); ``rows`` > 1: in ``step`` of
         a batch of that many rows, where the configuration's batch verdict has a say too."""
+        if rows > 1:
+            return self.verdict(rows).asks(step)
         if self.gate_only:
-            return rows <= 1 or self.verdict(rows).asks(step)
-        if rows > 1 and not self.verdict(rows).asks(step):
-            return False
+            return True
         if self._plain_left > 0:
             self._plain_left -= 1
             self.probing = self._plain_left == 0  # the round after a back-off is a probe
@@ -453,12 +469,14 @@ class Controller:
         ``rows`` > 1: the forward carried a batch of trees padded to ``padded`` nodes. The cost model
         learns T(rows, padded) from it; the row is judged on its own share of the step (its own
         drafting, a ``1 / rows`` share of the forward and its bookkeeping) against a plain batched
-        step's share, so a row whose drafts do not pay at this batch size takes plain rounds."""
+        step's share, by the batch verdict of this batch size (whether rows draft is decided for
+        them all there; the row's own back-off is for when it runs alone)."""
         if rows > 1:
             self.cost.observe_batch(rows, padded or len(tree), forward_seconds)
             round_seconds = draft_seconds + forward_seconds / rows + self.overhead
             plain_rate = 1.0 / max(self.cost.batch(rows, 1) / rows + self.overhead, 1e-9)
-            if asked and (len(tree) > 1 or draft_seconds >= self.negligible / plain_rate):
+            spent = len(tree) > 1 or draft_seconds >= self.negligible / plain_rate
+            if asked and spent:
                 self.verdict(rows).record(committed, round_seconds, 1.0 / plain_rate)
         else:
             self.cost.observe(len(tree), forward_seconds)
@@ -469,8 +487,10 @@ class Controller:
         # so a long stretch without anything to explore does not become a burst of whole trees
         self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / plain_rate)
         overhead = max(0.0, round_seconds - forward_seconds)
-        if not asked and rows > 1:
-            return  # a plain batched round: the single-row plain time is measured alone
+        if rows > 1:
+            if asked and draft is not None and len(tree) > 1:
+                self._calibrate(tree, path, draft)
+            return  # the single-row plain time is measured alone
         if not asked:
             self.overhead += self.smoothing * (overhead - self.overhead)
             self.plain_round = round_seconds if self.plain_round is None else (
@@ -508,6 +528,19 @@ class Controller:
             score = scores[j] if scores is not None else None
             source = sources[j] if sources is not None else ""
             self.calibration.update(score, runs[j], node in on_path, source)
+
+
+def by_batch_size(learned: dict, rows: int, new):
+    """What is learned for batches of ``rows`` rows, in ``learned`` (by size bucket). A size not
+    seen yet starts as a copy of the nearest smaller one's (``new()`` if none): the forward only
+    gets dearer per row as the batch grows, so drafting that did not pay at 4 rows will not at 8,
+    and a server whose batch grows step by step does not learn it all again at each size (what
+    ``learned`` holds has ``copied()``: a copy without the round in progress)."""
+    bucket = size_bucket(rows)
+    if bucket not in learned:
+        smaller = [b for b in learned if b < bucket]
+        learned[bucket] = learned[max(smaller)].copied() if smaller else new()
+    return learned[bucket]
 
 
 def source_depths(draft: Draft) -> list[int]:

@@ -23,14 +23,14 @@ Lossless as every method: the verifier decides, drafters only propose.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from speculum.controller import Goodput
-from speculum.costs import size_bucket
+from speculum.controller import Goodput, by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -103,58 +103,75 @@ class _Part:
 class ModelGate:
     """Whether to run the costly drafters (a draft model, heads) this round: while rounds with them pay
     more per second than rounds without them; after they stop paying they are tried again after 1,
-    2, 4, ... ``max_backoff`` rounds, for a probe of a few rounds. While they run, one round in
-    ``refresh`` goes without them, to keep that side's measure fresh.
+    2, 4, ... ``max_backoff`` rounds (grown past it, as the controller's back-off is, until a probe
+    loses at most ``exploration`` of the time), for a probe of a few rounds. While they run, one
+    round in ``refresh`` goes without them, to keep that side's measure fresh.
 
     A round is one decision (``use``) and what it gave (``record``), summed over the rows it was
     made for: in a batch, one gate decides for every row of the configuration at once (their draft
-    model runs batched, so its cost is the group's, not a row's)."""
+    model runs batched, so its cost is the group's, not a row's), and each row is a sample."""
 
-    def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03):
+    def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03, exploration: float = 0.015):
         self.max_backoff = max_backoff
         self.refresh = refresh
         self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
+        self.exploration = exploration
         self.with_model, self.without_model = Goodput(), Goodput()
         self._backoff, self._skip, self._probe = 1, 0, False
+        self._refreshing = False  # the rounds skipped are a refresh of the other side, not a back-off
         self._since_refresh = 0
-        self._pending: dict[bool, list[float]] = {}  # used -> [tokens, seconds] of the round recorded so far
+        self._losses: list[float] = []  # rounds without the model each recent round with it lost
+        self._pending: dict[bool, list[float]] = {}  # used -> [tokens, seconds, rows] of the round so far
+
+    def copied(self) -> ModelGate:
+        """A copy without the round in progress (a larger batch size starts from it)."""
+        twin = copy.deepcopy(self)
+        twin._pending = {}
+        return twin
 
     def use(self) -> bool:
         self._fold()
         if self._skip > 0:
             self._skip -= 1
-            self._probe = self._skip == 0
+            self._probe = self._skip == 0 and not self._refreshing
             return False
+        self._refreshing = False
         return True
 
     def record(self, used: bool, tokens: int, seconds: float) -> None:
         """One row's part of the round decided last (learned from at the next decision)."""
-        pending = self._pending.setdefault(used, [0.0, 0.0])
+        pending = self._pending.setdefault(used, [0.0, 0.0, 0])
         pending[0] += tokens
         pending[1] += seconds
+        pending[2] += 1
 
     def _fold(self) -> None:
         pending, self._pending = self._pending, {}
-        for used, (tokens, seconds) in pending.items():
-            self._learn(used, tokens, seconds)
+        for used, (tokens, seconds, rows) in pending.items():
+            self._learn(used, tokens / rows, seconds / rows, rows)
 
-    def _learn(self, used: bool, tokens: float, seconds: float) -> None:
+    def _learn(self, used: bool, tokens: float, seconds: float, rows: int) -> None:
         if not used:
-            self.without_model.add(tokens, seconds)
+            self.without_model.add(tokens, seconds, rows=rows)
             return
-        self.with_model.add(tokens, seconds, fresh=self._probe)
-        self._probe = False
+        self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
         cheap = self.without_model.rate
+        if cheap is not None:  # rounds without the model this one round lost, per row
+            self._losses = (([] if self._probe else self._losses) + [seconds * cheap - tokens])[-3:]
+        self._probe = False
         if not self.with_model.judged:
             return
         if cheap is not None and self.with_model.rate < cheap * (1.0 + self.margin):
-            self._skip, self._backoff = self._backoff, min(2 * self._backoff, self.max_backoff)
+            self._skip, self._refreshing = self._backoff, False
+            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
+            self._backoff = min(2 * self._backoff, cap)
             self._since_refresh = 0
             return
         self._backoff = 1
         self._since_refresh += 1
         if cheap is None or self._since_refresh >= self.refresh:
-            self._skip, self._since_refresh = 1, 0  # one round without them: measure that side (again)
+            # one round without them: measure that side (again)
+            self._skip, self._since_refresh, self._refreshing = 1, 0, True
 
 
 class AutoDrafter(Drafter):
@@ -227,11 +244,8 @@ class AutoDrafter(Drafter):
         self._gate = None
 
     def gate(self, rows: int = 1) -> ModelGate:
-        """The model gate for batches of ``rows`` rows."""
-        bucket = size_bucket(rows)
-        if bucket not in self._gates:
-            self._gates[bucket] = ModelGate(self.options.max_backoff)
-        return self._gates[bucket]
+        """The model gate for batches of ``rows`` rows (a new size starts from the nearest smaller one's)."""
+        return by_batch_size(self._gates, rows, lambda: ModelGate(self.options.max_backoff))
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         self._round_start = time.perf_counter()
