@@ -131,7 +131,7 @@ class Row:
         self.asked = False
         self.draft = None
         self.tree: TokenTree | None = None
-        self.t0 = self.t1 = self.tc = 0.0
+        self.t0 = self.t1 = self.tc = self.planning = 0.0
 
     @property
     def cached(self) -> int:
@@ -157,6 +157,7 @@ class Row:
         request, ctx, stats, draft = self.request, self.ctx, self.stats, self.draft
         controller = request.controller
         self.t1 = self.t0 + draft_seconds
+        start = time.perf_counter()  # (in a batch, the other rows' drafting lies between t1 and now)
         keep = None
         if controller is not None and not controller.gate_only and draft is not None and len(draft):
             drafter = request.drafter
@@ -170,6 +171,7 @@ class Row:
             stats.predicted_tokens += plan.expected_tokens
             stats.predicted_time += plan.predicted_seconds + draft_seconds
         self.tc = time.perf_counter()
+        self.planning = self.tc - start
         self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
 
     def verify(self, out: StepOutput) -> Verdict:
@@ -215,6 +217,8 @@ class Row:
             request.drafter.observe(ctx, outcome)
         t4 = time.perf_counter()
         own_draft = (self.t1 - self.t0) + (t4 - t3)
+        # the round's time: alone, all of it; in a batch, the row's drafting and share of the forward
+        round_seconds = t4 - self.t0 if rows == 1 else own_draft + self.planning + (t2 - tf) / rows
         controller = request.controller
         if controller is not None:
             controller.observe_round(
@@ -224,7 +228,7 @@ class Row:
                 asked=self.asked,
                 committed=len(new),
                 forward_seconds=t2 - tf,
-                round_seconds=t4 - self.t0,
+                round_seconds=round_seconds,
                 draft_seconds=own_draft,
                 rows=rows,
                 padded=padded,
@@ -232,10 +236,10 @@ class Row:
             if self.asked:
                 stats.rounds_drafted += 1
                 stats.drafted_round_tokens += len(new)
-                stats.drafted_round_time += t4 - self.t0
+                stats.drafted_round_time += round_seconds
             else:
                 stats.rounds_plain += 1
-            stats.time_control += (self.tc - self.t1) + (time.perf_counter() - t4)
+            stats.time_control += self.planning + (time.perf_counter() - t4)
         stats.time_draft += own_draft
         stats.time_verify += t2 - tf
         stats.draft_forwards = request.drafter.forwards
