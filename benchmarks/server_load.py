@@ -7,6 +7,11 @@ and the server's resident memory after 10 and after 1,000 requests.
     # or against a server already running (memory needs its --pid)
     python benchmarks/server_load.py --url http://127.0.0.1:8000 --methods autoregressive,anpd
 
+    # the same run against a second server with other options (e.g. one request at a time): both
+    # servers up, each level run on one then the other, one client's requests alternating
+    python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd \
+        --concurrency 1,16 --requests 16 --versus "--max-batch 1"
+
 Each client is closed-loop: it sends its next request as soon as the previous one ends, with the
 prompts of --dataset in turn (their own chat/plain rendering). Every request names its method
 (speculative_config), so one server serves them all; the server's own method is the last of
@@ -124,6 +129,19 @@ async def run_level(url: str, prompts: list, method: str, concurrency: int, requ
     return Level(method, concurrency, wall, results)
 
 
+async def run_alternating(urls: list[str], prompts: list, method: str, requests: int, max_tokens: int) -> list[Level]:
+    """One closed-loop client per server, taking turns request by request (the same prompt on each
+    server in a row): the servers see the same load at the same moments of a shared machine."""
+    results: list[list[Result]] = [[] for _ in urls]
+    async with httpx.AsyncClient(timeout=3600, headers=auth_headers()) as client:
+        for i in range(requests):
+            for k, url in enumerate(urls):
+                client.base_url = url
+                results[k].append(await one_request(client, prompts[i % len(prompts)], method, max_tokens))
+    # a closed-loop client's wall time is the sum of its requests'
+    return [Level(method, 1, sum(r.latency for r in res), res) for res in results]
+
+
 def auth_headers() -> dict:
     key = os.environ.get("SPECULUM_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -137,7 +155,7 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: str = "") -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -145,7 +163,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     command += ["--method", args.methods[-1], "--log-level", "warning", "--max-queue", "1024"]
     if args.draft:
         command += ["--draft", args.draft]
-    command += shlex.split(args.serve_args)
+    command += shlex.split(args.serve_args) + shlex.split(extra)
     print("starting:", shlex.join(command), file=sys.stderr)
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -181,6 +199,14 @@ def level_row(level: Level) -> str:
         f"{tokens / steps:.2f}" if steps else "-",
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def rate(level: Level) -> float:
+    return sum(r.tokens for r in level.results if r.ok) / level.wall
+
+
+def ttft_p50(level: Level) -> float:
+    return percentile([r.ttft for r in level.results if r.ok], 0.5)
 
 
 HEADER = (
@@ -230,15 +256,20 @@ def main() -> None:
     parser.add_argument("--rss", default="", help="Measure the server's RSS after these request counts, e.g. 10,1000.")
     parser.add_argument("--rss-max-tokens", type=int, default=32)
     parser.add_argument("--rss-concurrency", type=int, default=4)
+    parser.add_argument("--versus", help="Options of a second server run in the same run (e.g. '--max-batch 1').")
     parser.add_argument("--out", help="Also write the tables (markdown) here.")
     args = parser.parse_args()
 
-    process = None
+    process = versus = None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
     else:
         process, url = start_server(args)
         pid = process.pid
+    if args.versus is not None:
+        if args.url:
+            raise SystemExit("--versus starts both servers itself: leave --url out")
+        versus, versus_url = start_server(args, args.versus)
     try:
         card = httpx.get(url + "/v1/models", headers=auth_headers()).json()["data"][0]
         # as `speculum bench`: each set's own default (chat or plain), chat only where the model has a template
@@ -251,16 +282,35 @@ def main() -> None:
             HEADER,
         ]
         print("\n".join(lines))
+        urls = [url] if versus is None else [url, versus_url]
+        labels = [""] if versus is None else ["", f" [{args.versus}]"]
         for method in args.methods:
-            asyncio.run(run_level(url, prompts, method, 1, args.warmup, args.max_tokens))
+            for u in urls:
+                asyncio.run(run_level(u, prompts, method, 1, args.warmup, args.max_tokens))
+        pairs = []  # (method, clients, this server's level, the versus server's level)
         for concurrency in args.concurrency:
             for method in args.methods:
-                level = asyncio.run(run_level(url, prompts, method, concurrency, args.requests, args.max_tokens))
-                errors = [r.error for r in level.results if not r.ok]
-                if errors:
-                    print(f"{len(errors)} failed, e.g. {errors[0]}", file=sys.stderr)
-                lines.append(level_row(level))
-                print(lines[-1], flush=True)
+                if concurrency == 1 and versus is not None:
+                    levels = asyncio.run(run_alternating(urls, prompts, method, args.requests, args.max_tokens))
+                else:
+                    levels = [asyncio.run(run_level(u, prompts, method, concurrency, args.requests, args.max_tokens))
+                              for u in urls]  # fmt: skip
+                for level, label in zip(levels, labels, strict=True):
+                    errors = [r.error for r in level.results if not r.ok]
+                    if errors:
+                        print(f"{len(errors)} failed, e.g. {errors[0]}", file=sys.stderr)
+                    level.method += label
+                    lines.append(level_row(level))
+                    print(lines[-1], flush=True)
+                if versus is not None:
+                    pairs.append((method, concurrency, *levels))
+        if pairs:
+            lines += ["", f"| method | clients | tok/s / tok/s [{args.versus}] | TTFT p50 / TTFT p50 [{args.versus}] |",
+                      "|---|---:|---:|---:|"]  # fmt: skip
+            for method, concurrency, mine, theirs in pairs:
+                lines.append(f"| {method} | {concurrency} | {rate(mine) / rate(theirs):.2f}x | "
+                             f"{ttft_p50(mine):.3f} / {ttft_p50(theirs):.3f} s |")  # fmt: skip
+            print("\n".join(lines[-len(pairs) - 2 :]))
         if args.rss:
             if pid is None:
                 raise SystemExit("--rss needs the server's --pid (or let this script start the server)")
@@ -271,9 +321,10 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
+        for started in (process, versus):
+            if started is not None:
+                started.send_signal(signal.SIGTERM)
+                started.wait(60)
 
 
 if __name__ == "__main__":

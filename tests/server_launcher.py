@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--max-queue", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
@@ -113,6 +114,7 @@ def main() -> None:
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
         request_timeout=args.request_timeout,
         max_tokens_limit=1024,
     )

@@ -255,8 +255,9 @@ def test_64_concurrent_streams_all_complete_and_equal_sequential(server, spec):
 
 @pytest.fixture(scope="module")
 def batch_server():
-    """0.05 s per target forward, at most 4 requests decoded together."""
-    with running_server("--step-delay", "0.05", "--max-batch", "4", "--method", "autoregressive") as s:
+    """0.05 s per target forward, at most 4 requests decoded together, 8 prompt tokens prefilled a step."""
+    args = ("--step-delay", "0.05", "--max-batch", "4", "--prefill-chunk", "8", "--method", "autoregressive")
+    with running_server(*args) as s:
         yield s
 
 
@@ -308,6 +309,37 @@ def test_requests_decode_together_and_one_leaving_does_not_disturb_the_others(ba
     assert [r for i, r in enumerate(results) if i != 1] == [e for i, e in enumerate(expected) if i != 1]
     assert max(seen_running) == 4 and max(seen_queued) >= 1
     assert metric(url, "speculum_decode_seconds_total") > 0 and metric(url, "speculum_prefill_seconds_total") > 0
+
+
+def test_a_short_prompt_decodes_while_a_long_prompt_is_still_prefilled(batch_server, spec):
+    """Prefill goes a chunk at a time even while nothing decodes, the fewest tokens left first: a
+    short request sent just after a long one streams before the long prompt's prefill is done."""
+    url = batch_server.url
+    long_prompt = words(repetitive_prompt(60, 7, seed=300))
+    short_prompt = words(repetitive_prompt(4, 2, seed=301))
+    expected = [spec.generate(p, "autoregressive", max_new_tokens=12).text for p in (long_prompt, short_prompt)]
+    arrivals = []  # which stream each token chunk came to, in order
+
+    async def one(client, name, prompt, delay):
+        await asyncio.sleep(delay)
+        text = ""
+        body = {"prompt": prompt, "max_tokens": 12, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    text += chunk["choices"][0]["text"]
+                    arrivals.append(name)
+        return text
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            return await asyncio.gather(one(client, "long", long_prompt, 0.0), one(client, "short", short_prompt, 0.03))
+
+    assert list(asyncio.run(scenario())) == expected
+    assert arrivals.index("long") >= 3  # the short one had streamed several tokens by then
 
 
 # ---------------------------------------------------------------------------------------- queue, disconnect, timeout

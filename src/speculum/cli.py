@@ -587,7 +587,7 @@ def serve(
         int, typer.Option(min=1, help="Requests decoded together, one target forward per step for all of them.")
     ] = 16,
     prefill_chunk: Annotated[
-        int, typer.Option(min=1, help="Prompt tokens prefilled between two decoding steps while others run.")
+        int, typer.Option(min=1, help="Prompt tokens prefilled between two decoding steps.")
     ] = 256,
     request_timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds a request may take, queueing included.")
