@@ -342,6 +342,61 @@ def test_generation_continues_the_prompts_as_speculum_bench_lays_them_out(specul
     assert len(prompt_for_generation(speculum_llama, plain, plain_prefix=16)) == 16
 
 
+def test_continuations_are_made_by_the_engine_and_resume_after_an_interruption(speculum_llama, tmp_path, monkeypatch):
+    from speculum.training.draft_heads import DistillSettings, continuations
+
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [5, 5, 6], [3, 4, 5]]  # the last: a repeat, made once
+    settings = DistillSettings(generate=10, generate_batch=2)
+    eos = speculum_llama.eos_token_ids
+
+    def greedy(prompt):
+        want = reference_greedy(speculum_llama.model, prompt, 10)
+        return want[: next((k + 1 for k, t in enumerate(want) if t in eos), len(want))]
+
+    batches = []
+    generate = type(speculum_llama).generate
+
+    def counting(self, prompt, *args, **kwargs):
+        batches.append(len(prompt))
+        return generate(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(type(speculum_llama), "generate", counting)
+    cache = tmp_path / "continuations.jsonl"
+    made = continuations(speculum_llama, prompts, settings, progress=False, cache=cache)
+    assert made == [greedy(p) for p in prompts] and batches == [2, 1]  # batched engine rows
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 3
+    # an interrupted run: the last record torn mid-write, nothing after it
+    cache.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
+    batches.clear()
+    assert continuations(speculum_llama, prompts, settings, progress=False, cache=cache) == made
+    assert batches == [1]  # only the torn one again
+    batches.clear()
+    assert continuations(speculum_llama, prompts, settings, progress=False, cache=cache) == made and batches == []
+    # another length asked: other continuations
+    longer = continuations(speculum_llama, prompts[:1], DistillSettings(generate=12), progress=False, cache=cache)
+    assert batches == [1] and len(longer[0]) >= len(made[0])
+
+
+def test_a_chat_templated_prompt_is_continued_as_a_raw_completion_too(model_dir):
+    import speculum
+    from speculum.bench.datasets import load_dataset
+    from speculum.training.texts import generation_layouts, training_texts
+
+    spec = speculum.load(model_dir, dtype="float32", prepack=False)
+    text = training_texts("mt_bench[0:1]")[0]
+    assert text.prompt.chat_default
+    spec.tokenizer.chat_template = None  # a chat set, but a tokenizer without a template: one layout, raw
+    assert generation_layouts(spec, text) == [spec.encode_prompt(text.prompt.render(False))]
+    spec.tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }}{% endfor %} w4"
+    chat, raw = generation_layouts(spec, text)
+    prompt = load_dataset("mt_bench", 1)[0]
+    assert chat == spec.encode_prompt(prompt.render(True)) and raw == spec.encode_prompt(prompt.render(False))
+    assert chat != raw and generation_layouts(spec, text, raw=False) == [chat]
+    code = training_texts("humaneval[0:1]")[0]  # a completion set: one layout
+    assert len(generation_layouts(spec, code)) == 1
+
+
 def test_the_draft_vocabulary_keeps_the_most_predicted_tokens():
     from speculum.training.draft_heads import choose_draft_vocab
 

@@ -437,6 +437,13 @@ GenerateOption = Annotated[
         "make; 0: teacher-forced text).",
     ),
 ]
+GenerateBatchOption = Annotated[
+    int, typer.Option(min=1, help="Prompts the target continues at once (--generate; rows of one batch).")
+]
+RawLayoutOption = Annotated[
+    bool,
+    typer.Option(help="With --generate, continue a chat-templated prompt as a raw completion too (both layouts)."),
+]
 DataOption = Annotated[
     str | None,
     typer.Option(
@@ -493,6 +500,8 @@ def train_medusa(
     texts: TextsOption = DEFAULT_HEAD_TEXTS,
     max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
     generate: GenerateOption = 0,
+    generate_batch: GenerateBatchOption = 16,
+    raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
     data: DataOption = None,
     num_heads: Annotated[int, typer.Option(min=1, help="Heads: tokens guessed beyond the next one.")] = 4,
@@ -518,7 +527,8 @@ def train_medusa(
         batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes, consistent=consistent,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
-    _train_draft_heads("medusa", model, out, texts, DistillSettings(max_tokens, generate), settings, common)
+    data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)
+    _train_draft_heads("medusa", model, out, texts, data_settings, settings, common)
 
 
 @train_app.command("ctc-drafter")
@@ -528,6 +538,8 @@ def train_ctc_drafter(
     texts: TextsOption = DEFAULT_HEAD_TEXTS,
     max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
     generate: GenerateOption = 0,
+    generate_batch: GenerateBatchOption = 16,
+    raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
     data: DataOption = None,
     slots: Annotated[int, typer.Option(min=1, help="Frames predicted at once.")] = 8,
@@ -555,7 +567,8 @@ def train_ctc_drafter(
         consistent=consistent,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
-    _train_draft_heads("ctc", model, out, texts, DistillSettings(max_tokens, generate), settings, common)
+    data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)
+    _train_draft_heads("ctc", model, out, texts, data_settings, settings, common)
 
 
 @app.command()

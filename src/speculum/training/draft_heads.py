@@ -10,8 +10,11 @@ of sequence:
   the text about 60% of the time), the labels after it are predictions along a path the target
   would not write, so a root's labels count only while the text agrees with the target
   (``consistent``): every label a head learns is then what greedy decoding from that root says;
-- the target's own greedy continuations of the prompts (``generate``, batched): slower to make,
-  but every position is on the target's own path.
+- the target's own greedy continuations of the prompts (``generate``): slower to make, but every
+  position is on the target's own path. speculum's own batched engine makes them (rows leave at
+  their end-of-sequence token), in the layouts users send (a chat-templated prompt also as a raw
+  completion), written to ``continuations.jsonl`` after every batch: an interrupted run resumes
+  where it stopped.
 The data is cached in the output directory and remade only when its inputs change (or when asked).
 
 Examples: every response position t is a root (the token the loop has just committed). Medusa
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,9 +50,10 @@ from speculum.heads.projection import lm_head_weight
 from speculum.poolfile import write_atomic
 from speculum.runner import ModelRunner
 from speculum.training.common import cached_tensors, split_by_text, torch_bytes
-from speculum.training.texts import TrainingText, encode, prompt_for_generation
+from speculum.training.texts import TrainingText, encode, generation_layouts
 
 DATA_FILE = "distill_data.safetensors"
+CONTINUATIONS_FILE = "continuations.jsonl"  # beside the data file: the target's continuations so far
 TOPK = 10  # hit rates measured per head position up to this rank
 
 
@@ -57,49 +62,90 @@ class DistillSettings:
     max_tokens: int = 512  # per text
     generate: int = 0  # > 0: train on the target's own greedy continuations of this many tokens
     generate_batch: int = 16  # prompts continued at once
+    raw_layout: bool = True  # with generate: a chat-templated prompt continued as a raw completion too
+
+
+def continuation_key(fingerprint: str, prompt: list[int], settings: DistillSettings) -> str:
+    """What a continuation depends on: the target, the tokens asked for, the prompt."""
+    return hashlib.sha256(f"{fingerprint}\0{settings.generate}\0{prompt}".encode()).hexdigest()
+
+
+def read_continuations(path: Path) -> dict[str, list[int]]:
+    """The continuations a run wrote so far (a line an interruption tore is left out: made again)."""
+    done: dict[str, list[int]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            done[record["key"]] = [int(t) for t in record["tokens"]]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return done
 
 
 @torch.inference_mode()
-def continuations(spec, prompts: list[list[int]], settings: DistillSettings, progress: bool = True) -> list[list[int]]:
+def continuations(
+    spec, prompts: list[list[int]], settings: DistillSettings, progress: bool = True, cache: Path | None = None
+) -> list[list[int]]:
     """The target's greedy continuation of every prompt (up to ``settings.generate`` tokens, cut after
-    its end-of-sequence token), batched with left padding by transformers' ``generate``."""
+    its end-of-sequence token), ``settings.generate_batch`` prompts at a time through speculum's
+    batched engine; with ``cache``, each batch is appended to it as it completes and the prompts
+    it already holds are not generated again."""
     from tqdm.auto import tqdm
 
-    eos = spec.eos_token_ids  # the ones speculum's own loop stops at
-    pad = spec.tokenizer.pad_token_id
-    pad = pad if pad is not None else min(eos, default=0)
-    device = next(spec.model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    out: list[list[int]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts), desc="target's continuations", unit="prompt", disable=not progress)
-    for first in range(0, len(order), settings.generate_batch):
-        chosen = order[first : first + settings.generate_batch]
-        width = max(len(prompts[i]) for i in chosen)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chosen], device=device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chosen], device=device)
-        generated = spec.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.generate,
-                                        do_sample=False, pad_token_id=pad)[:, width:].tolist()  # fmt: skip
-        for i, row in zip(chosen, generated, strict=True):
-            end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-            out[i] = row[:end]
-        bar.update(len(chosen))
-    bar.close()
-    return out
+    fingerprint = model_fingerprint(spec.model)
+    keys = [continuation_key(fingerprint, prompt, settings) for prompt in prompts]
+    done = read_continuations(cache) if cache is not None else {}
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in done}.values(), key=lambda i: len(prompts[i]))
+    bar = tqdm(total=len(set(keys)), initial=len(set(keys)) - len(todo), desc="target's continuations",
+               unit="prompt", disable=not progress)  # fmt: skip
+    started, made = time.perf_counter(), 0
+    sink = cache.open("a", encoding="utf-8") if cache is not None else None
+    if sink is not None and cache.stat().st_size and not cache.read_bytes().endswith(b"\n"):
+        sink.write("\n")  # after a torn last line: the next record starts a line of its own
+    try:
+        for first in range(0, len(todo), settings.generate_batch):
+            chosen = todo[first : first + settings.generate_batch]  # similar lengths share a batch
+            results = spec.generate([prompts[i] for i in chosen], "autoregressive", max_new_tokens=settings.generate)
+            for i, result in zip(chosen, results, strict=True):
+                done[keys[i]] = result.token_ids
+                if sink is not None:
+                    sink.write(json.dumps({"key": keys[i], "tokens": result.token_ids}) + "\n")
+                made += len(result.token_ids)
+            if sink is not None:
+                sink.flush()
+                os.fsync(sink.fileno())
+            bar.update(len(chosen))
+            bar.set_postfix_str(f"{made / (time.perf_counter() - started):.1f} tokens/s")
+    finally:
+        if sink is not None:
+            sink.close()
+        bar.close()
+    return [done[k] for k in keys]
 
 
-def sequences(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True):
-    """(token ids, where the response starts) per sequence: every text as it is, then with
-    ``settings.generate`` every text's prompt continued by the target itself."""
-    laid_out = [encode(spec.tokenizer, text, settings.max_tokens) for text in texts]
+def sequences(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True,
+              cache: Path | None = None) -> list[tuple[list[int], int, int]]:  # fmt: skip
+    """(token ids, where the response starts, which text) per sequence: every text as it is, then
+    with ``settings.generate`` the target's continuation of each of its prompts' layouts."""
+    laid_out = [(*encode(spec.tokenizer, text, settings.max_tokens), i) for i, text in enumerate(texts)]
     if settings.generate:
-        prompts = [prompt_for_generation(spec, text)[: max(settings.max_tokens - 2, 1)] for text in texts]
-        answers = continuations(spec, prompts, settings, progress)
-        laid_out += [((p + a)[: settings.max_tokens], len(p)) for p, a in zip(prompts, answers, strict=True)]
+        prompts, sources = [], []
+        for i, text in enumerate(texts):
+            for prompt in generation_layouts(spec, text, settings.raw_layout):
+                prompts.append(prompt[: max(settings.max_tokens - 2, 1)])
+                sources.append(i)
+        answers = continuations(spec, prompts, settings, progress, cache)
+        for prompt, answer, i in zip(prompts, answers, sources, strict=True):
+            laid_out.append(((prompt + answer)[: settings.max_tokens], len(prompt), i))
     return laid_out
 
 
 @torch.inference_mode()
-def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True) -> dict:
+def make_data(
+    spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True, cache: Path | None = None
+) -> dict:
     """``hidden`` [N, H] float16, ``label`` [N] (the target's argmax after each position), ``token`` [N]
     (the input token), ``text`` [N] (which sequence), ``source`` [N] (which training text it comes
     from: a text and the target's continuation of its prompt share one, and the validation split),
@@ -109,8 +155,9 @@ def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progre
     runner = ModelRunner(spec.model, lazy_head=False)
     names = ("hidden", "label", "token", "text", "source", "response")
     columns: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    laid_out = sequences(spec, texts, settings, progress)
-    for index, (ids, start) in enumerate(tqdm(laid_out, desc="distillation data", unit="text", disable=not progress)):
+    laid_out = sequences(spec, texts, settings, progress, cache)
+    bar = tqdm(laid_out, desc="distillation data", unit="text", disable=not progress)
+    for index, (ids, start, source) in enumerate(bar):
         if len(ids) - start < 2:
             continue
         inputs = torch.tensor([ids], device=runner.input_device)
@@ -125,7 +172,7 @@ def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progre
         columns["label"].append(labels.cpu().long())
         columns["token"].append(torch.tensor(ids))
         columns["text"].append(torch.full((n,), index, dtype=torch.int32))
-        columns["source"].append(torch.full((n,), index % len(texts), dtype=torch.int32))
+        columns["source"].append(torch.full((n,), source, dtype=torch.int32))
         columns["response"].append(torch.arange(n) >= start)
     if not columns["label"]:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
@@ -133,7 +180,7 @@ def make_data(spec, texts: list[TrainingText], settings: DistillSettings, progre
 
 
 def data_key(spec, texts: list[TrainingText], settings: DistillSettings) -> str:
-    h = hashlib.sha256(b"distill-v2" if settings.generate else b"distill-v1")
+    h = hashlib.sha256(b"distill-v3" if settings.generate else b"distill-v1")
     h.update(model_fingerprint(spec.model).encode())
     keyed = asdict(settings) if settings.generate else {"max_tokens": settings.max_tokens}
     h.update(json.dumps(keyed, sort_keys=True).encode())
@@ -143,8 +190,18 @@ def data_key(spec, texts: list[TrainingText], settings: DistillSettings) -> str:
 
 
 def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regenerate=False, progress=True):
-    return cached_tensors(cache, data_key(spec, texts, settings), lambda: make_data(spec, texts, settings, progress),
-                          regenerate)  # fmt: skip
+    """The data, from ``cache`` when its inputs are the same; made otherwise (the target's
+    continuations from the ``CONTINUATIONS_FILE`` beside it, as far as they go: ``regenerate`` makes
+    those again too)."""
+    continued = cache.with_name(CONTINUATIONS_FILE)
+    if regenerate and continued.exists():
+        continued.unlink()
+
+    def make():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        return make_data(spec, texts, settings, progress, continued)
+
+    return cached_tensors(cache, data_key(spec, texts, settings), make, regenerate)
 
 
 def choose_draft_vocab(

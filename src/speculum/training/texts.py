@@ -110,6 +110,17 @@ def prompt_for_generation(spec, text: TrainingText, plain_prefix: int = 64) -> l
     return ids
 
 
+def generation_layouts(spec, text: TrainingText, raw: bool = True) -> list[list[int]]:
+    """Every prompt the target continues for ``text``: :func:`prompt_for_generation`'s, and with
+    ``raw`` where that one is chat-templated, the same prompt as a raw completion too (users send
+    both: a chat client's messages, a completion client's bare text)."""
+    layouts = [prompt_for_generation(spec, text)]
+    templated = text.prompt is not None and text.prompt.chat_default and getattr(spec.tokenizer, "chat_template", None)
+    if raw and templated:
+        layouts.append(spec.encode_prompt(text.prompt.render(False)))
+    return layouts
+
+
 def encode(tokenizer, text: TrainingText, max_tokens: int) -> tuple[list[int], int]:
     """Token ids of ``text`` laid out as at inference (chat template when there is an instruction and
     the tokenizer has one) and the index where the response starts; cut to ``max_tokens``."""
