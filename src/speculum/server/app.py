@@ -14,6 +14,8 @@ import dataclasses
 import json
 import logging
 import secrets
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculum.api import Speculum
-from speculum.errors import InvalidInputError, UnknownMethodError
+from speculum.errors import InvalidInputError, SpeculumError, UnknownMethodError
 from speculum.methods import METHODS, SpeculativeConfig
 from speculum.server.metrics import Metrics
 from speculum.server.protocol import (
@@ -93,7 +95,9 @@ def server_config(config: SpeculativeConfig, share_pools: bool) -> SpeculativeCo
     return SpeculativeConfig.coerce(config, **per_request) if per_request else config
 
 
-def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(spec: Speculum, settings: ServerSettings | None = None, *, worker_thread: bool = True) -> FastAPI:
+    """The app serving ``spec``; its worker runs the requests in a thread of its own started with the
+    app, or with ``worker_thread=False`` wherever ``app.state.worker.run()`` is called (see ``serve``)."""
     settings = settings or ServerSettings()
     model_name = settings.model_name or spec.name or "speculum"
     default = server_config(spec.default_config, settings.share_pools)  # what requests naming no method run
@@ -113,7 +117,8 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None) -> FastAP
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()
+        if worker_thread:
+            worker.start()
         yield
         await run_in_threadpool(worker.stop)
         for path in save_pools(spec, metrics):
@@ -530,7 +535,27 @@ def serve(
     """Run the app under uvicorn until interrupted (Ctrl-C / SIGTERM); pools with a path are saved then."""
     import uvicorn
 
-    app = create_app(spec, settings)
+    app = create_app(spec, settings, worker_thread=False)
     # a streaming request still running at shutdown gets 5 s, then is cancelled (its pools still saved)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=sockets)
+    server = uvicorn.Server(config)
+    # The model runs in this thread, the one that loaded it (see Worker.run); HTTP in another. A
+    # signal reaches this thread: the first asks uvicorn to shut down gracefully (its shutdown stops
+    # the worker, which ends the loop below), a second one forces it.
+    http = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="speculum-http", daemon=True)
+
+    def on_signal(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        app.state.worker.run(alive=http.is_alive)
+        http.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise SpeculumError(f"the server could not start on {host}:{port} (see the log above)")
