@@ -202,6 +202,17 @@ python benchmarks/batch_throughput.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0
 python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1 --requests 4 --max-tokens 16 \
     --rss 10,100,500,1000 --rss-max-tokens 32 --rss-concurrency 16 --dataset humaneval,gsm8k,mt_bench --limit 40 \
     --out benchmarks/results/issue19-server-rss-gemma-batched.md
+# ---- issue #19, second pass: batch verdicts (engine), the server against itself one request at a time in the same run
+python benchmarks/batch_throughput.py gemma-3-270m --threads 2 --batches 1,4,16 \
+    --methods autoregressive,prompt_lookup,anpd --max-new-tokens 128 --groups 2 \
+    --out benchmarks/results/issue19-batch-throughput-gemma-v3.md
+python benchmarks/server_load.py --model gemma-3-270m --methods autoregressive,anpd --concurrency 1,16 \
+    --requests 16 --max-tokens 128 --dataset humaneval,gsm8k --limit 16 --versus "--max-batch 1" \
+    --out benchmarks/results/issue19-server-load-gemma-versus.md
+python benchmarks/server_load.py $QS --methods autoregressive --versus "--max-batch 1" \
+    --out benchmarks/results/issue19-server-load-qwen-plain-versus.md
+python benchmarks/server_load.py $QS --draft qwen2.5-coder-0.5b --methods auto --versus "--max-batch 1" \
+    --out benchmarks/results/issue19-server-load-qwen-draft-versus.md
 # ---- issue #18, third pass: Ouroboros' phrases under the controller (exploration, run depths, drafting time)
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k \
     --limit 5 --max-new-tokens 64 --methods "autoregressive,ouroboros,ouroboros:controller=false" \
