@@ -275,6 +275,24 @@ def test_draft_model_rows_draft_together_as_they_would_alone(arch, policy, monke
     assert any(calls)  # the draft model ran batched forwards
 
 
+def test_ouroboros_rows_draft_together_as_they_would_alone(arch, monkeypatch):
+    """Ouroboros rows run one draft forward per draft step for all of them (their trees of window
+    and pool guesses side by side), and each row drafts exactly what it drafts alone."""
+    name, model, draft, heads, refs = arch
+    alone = []
+    for prompt, n in zip(PROMPTS, LENGTHS, strict=True):
+        _, stats = run_rows(model, [build_drafter("ouroboros", draft, VOCAB, **OUROBOROS_SMALL)], [n], [prompt])
+        alone.append(stats[0])
+    calls = record_batched_forwards(monkeypatch, draft)
+    drafters = [build_drafter("ouroboros", draft, VOCAB, **OUROBOROS_SMALL) for _ in PROMPTS]
+    outputs, together = run_rows(model, drafters)
+    assert outputs == refs
+    assert [(s.drafted_tokens, s.accepted_tokens, s.draft_forwards) for s in together] == [
+        (s.drafted_tokens, s.accepted_tokens, s.draft_forwards) for s in alone
+    ]
+    assert any(calls)  # the draft model ran batched forwards
+
+
 def test_auto_rows_run_their_draft_model_batched(monkeypatch):
     model = tiny_model("llama")
     draft = perturbed_copy(model, scale=0.4)

@@ -47,6 +47,7 @@ from typing import ClassVar
 
 import torch
 
+from speculum import cache as cache_ops
 from speculum.drafters.base import (
     Draft,
     DraftContext,
@@ -202,82 +203,66 @@ class OuroborosDrafter(Drafter):
         self.pool.add_ngrams(tokens, length, start=self._context_done)
         self._context_done = max(self._context_done, len(tokens) - length)
 
-    def propose(self, ctx: DraftContext) -> Draft | None:
+    def _begin(self, ctx: DraftContext) -> PhraseRound | None:
+        """This round's drafting, or None when the policy drafts nothing."""
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
             return None
         self._chain, self._phrases = [], []
-        keep = self.state.catch_up(ctx.tokens)
-        forced = ctx.tokens[keep:]  # not in the draft's cache yet; the last one is where drafting starts
-        chain: list[int] = []
-        scores: list[float] = []  # the draft's probability of each chain token (for a controller)
-        while len(chain) < budget:
-            stop = False
-            for token, logits, hidden in self._draft_step(forced):
-                if self.vocab_size is not None and token >= self.vocab_size:
-                    stop = True  # a draft-only id the target cannot verify
-                    break
-                if self.policy.stop_before(DraftStep(len(chain), token, logits, None, hidden)):
-                    stop = True
-                    break
-                chain.append(token)
-                if ctx.wants_scores:
-                    scores.append(token_probability(logits, token))
-                if token in ctx.eos_token_ids or len(chain) >= budget:
-                    stop = True
-                    break
-                if self.policy.should_stop(DraftStep(len(chain) - 1, token, logits, None, hidden)):
-                    stop = True
-                    break
-            if stop:
-                break
-            forced = [chain[-1]]
-        if not chain:
-            return None
-        return self._lengthened(chain, ctx, scores or None)
+        return PhraseRound(self, ctx, budget)
 
-    def _draft_step(self, forced: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """One draft forward: ``forced`` (tokens not yet in the draft's cache) as a chain, with the
-        Jacobi window and pool guesses below its last token; the draft's own greedy verification.
-        Returns the tokens it produced (its accepted guesses, then its own next token), each with
-        the draft's logits that chose it and, for policies that read it, its hidden state there."""
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        round_ = self._begin(ctx)
+        return self._finish_alone(round_) if round_ is not None else None
+
+    @property
+    def batch_key(self):
+        """Rows drafting with the same draft model run their draft forwards together (``propose_rows``)."""
+        return ("ouroboros", id(self.runner.model))
+
+    @classmethod
+    def propose_rows(cls, drafters: list[OuroborosDrafter], ctxs: list[DraftContext]) -> list[Draft | None]:
+        """Every row's draft with one draft forward per draft step for all of them (as
+        ``DraftModelDrafter.propose_rows``: the rows' draft caches side by side for the round; a row
+        whose round has ended rides along with a node whose keys are dropped). Each row drafts
+        what it drafts alone: its tree, its window and its pool are its own."""
+        rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
+        live = [i for i, r in enumerate(rounds) if r is not None]
+        if len(live) < 2:  # nothing to batch
+            return [drafters[i]._finish_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+        runner = drafters[live[0]].runner
+        needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
+        cache = runner.new_cache()
+        lengths = []
+        for n, i in enumerate(live):
+            state = drafters[i].state
+            lengths.append(len(state.seen))
+            cache_ops.join(cache, n, state.cache)
+        while not all(rounds[i].done for i in live):
+            trees = [TokenTree([ctxs[i].tokens[-1]], [-1]) if rounds[i].done else rounds[i].tree() for i in live]
+            columns = cache_ops.cache_length(cache)
+            outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
+            paths = [[] if rounds[i].done else rounds[i].path(out.logits) for i, out in zip(live, outs, strict=True)]
+            runner.commit_rows(cache, columns, lengths, paths)
+            for n, (i, out, path) in enumerate(zip(live, outs, paths, strict=True)):
+                if path:
+                    lengths[n] += len(path)
+                    rounds[i].take(out.logits, out.hidden)
+        for i, row_cache in zip(live, cache_ops.split_rows(cache, lengths), strict=True):
+            drafters[i].state.cache = row_cache
+        return [rounds[i].draft() if rounds[i] is not None else None for i in range(len(drafters))]
+
+    def _finish_alone(self, round_: PhraseRound) -> Draft | None:
         state = self.state
-        tokens: list[int] = list(forced[1:])
-        parents: list[int] = list(range(-1, len(tokens) - 1))
-        anchor = len(tokens) - 1  # draft index of the last forced token (-1: the root)
-        if self.options.phrase_drafting:
-            if self.options.window_size > 0:
-                self.window.add_to(tokens, parents, root=anchor)
-            guesses = self.options.draft_guesses
-            for phrase in self.pool.get(forced[-1], self.options.guess_set_size if guesses is None else guesses):
-                parent = anchor
-                for token in phrase:
-                    parents.append(parent)
-                    parent = len(tokens)
-                    tokens.append(token)
-        tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents))
-        past = len(state.seen)
-        out = self.runner.forward(state.cache, tree, hidden=self.policy.needs_hidden)
-        self._forwards += 1
-        node = 0 if anchor < 0 else tree.node_of[anchor]
-        path = tree.path_to(node)
-        while True:
-            best = self._argmax(out.logits, [path[-1]])[0]
-            child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == best), None)
-            if child is None:
-                break
-            path.append(child)
-        produced = [tree.tokens[n] for n in path[len(forced) :]] + [best]
-        self.runner.commit(state.cache, past, path)
-        state.seen.extend(forced + produced[:-1])
-        if self.options.phrase_drafting and self.options.window_size > 0:
-            top = [tree.node_of[j] for j in self.window.top_nodes]
-            self.pool.add_all(self.window.step(self._argmax(out.logits, top)))
-        deciding = path[len(forced) - 1 :]  # the node whose output chose each produced token
-        rows = self._rows(out.logits, deciding)
-        hidden = out.hidden[deciding] if out.hidden is not None else [None] * len(deciding)
-        return list(zip(produced, rows, hidden, strict=True))
+        while not round_.done:
+            tree = round_.tree()
+            past = len(state.seen)
+            out = self.runner.forward(state.cache, tree, hidden=self.policy.needs_hidden)
+            path = round_.path(out.logits)
+            self.runner.commit(state.cache, past, path)
+            round_.take(out.logits, out.hidden)
+        return round_.draft()
 
     def _rows(self, logits, nodes: list[int]) -> torch.Tensor:
         """The draft's logits after each of ``nodes``, over the target's vocabulary."""
@@ -371,3 +356,94 @@ class OuroborosDrafter(Drafter):
         if path is None:
             raise PoolFileError("ouroboros: no path given and no pool_path set")
         self.pool.save(path, model_key=self.model_key)
+
+
+class PhraseRound:
+    """One round of Ouroboros' drafting for one request: each draft forward verifies the tokens the
+    draft has not seen as a chain, with the Jacobi window and pool guesses below its last token
+    (the draft's own greedy verification: accepted guesses are several draft tokens for one
+    forward). ``tree`` gives the next forward's tree, ``path`` the nodes the draft accepts from its
+    output (their keys are kept), ``take`` the tokens it produced; whether the forward ran for this
+    request alone or beside others (``OuroborosDrafter.propose_rows``) does not matter here."""
+
+    def __init__(self, drafter: OuroborosDrafter, ctx: DraftContext, budget: int):
+        self.drafter, self.ctx, self.budget = drafter, ctx, budget
+        keep = drafter.state.catch_up(ctx.tokens)
+        self.forced = ctx.tokens[keep:]  # not in the draft's cache yet; the last one is where drafting starts
+        self.chain: list[int] = []
+        self.scores: list[float] = []  # the draft's probability of each chain token (for a controller)
+        self.done = False
+        self._tree: TokenTree | None = None
+        self._anchor = -1
+        self._path: list[int] = []
+        self._best = 0
+
+    def tree(self) -> TokenTree:
+        d, forced = self.drafter, self.forced
+        tokens: list[int] = list(forced[1:])
+        parents: list[int] = list(range(-1, len(tokens) - 1))
+        self._anchor = len(tokens) - 1  # draft index of the last forced token (-1: the root)
+        if d.options.phrase_drafting:
+            if d.options.window_size > 0:
+                d.window.add_to(tokens, parents, root=self._anchor)
+            guesses = d.options.draft_guesses
+            for phrase in d.pool.get(forced[-1], d.options.guess_set_size if guesses is None else guesses):
+                parent = self._anchor
+                for token in phrase:
+                    parents.append(parent)
+                    parent = len(tokens)
+                    tokens.append(token)
+        state = d.state
+        self._tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents))
+        return self._tree
+
+    def path(self, logits) -> list[int]:
+        """The tree nodes the draft keeps: the forced chain, then its guesses as far as its own
+        greedy choice follows them."""
+        d, tree = self.drafter, self._tree
+        node = 0 if self._anchor < 0 else tree.node_of[self._anchor]
+        path = tree.path_to(node)
+        while True:
+            best = d._argmax(logits, [path[-1]])[0]
+            child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == best), None)
+            if child is None:
+                break
+            path.append(child)
+        self._path, self._best = path, best
+        return path
+
+    def take(self, logits, hidden) -> None:
+        """After the forward and its commit: the tokens produced, the window stepped, the chain grown."""
+        d, tree, path, forced, ctx = self.drafter, self._tree, self._path, self.forced, self.ctx
+        d._forwards += 1
+        produced = [tree.tokens[n] for n in path[len(forced) :]] + [self._best]
+        d.state.seen.extend(forced + produced[:-1])
+        if d.options.phrase_drafting and d.options.window_size > 0:
+            top = [tree.node_of[j] for j in d.window.top_nodes]
+            d.pool.add_all(d.window.step(d._argmax(logits, top)))
+        deciding = path[len(forced) - 1 :]  # the node whose output chose each produced token
+        rows = d._rows(logits, deciding)
+        states = hidden[deciding] if hidden is not None else [None] * len(deciding)
+        policy, chain = d.policy, self.chain
+        for token, row, state in zip(produced, rows, states, strict=True):
+            if d.vocab_size is not None and token >= d.vocab_size:
+                self.done = True  # a draft-only id the target cannot verify
+                return
+            if policy.stop_before(DraftStep(len(chain), token, row, None, state)):
+                self.done = True
+                return
+            chain.append(token)
+            if ctx.wants_scores:
+                self.scores.append(token_probability(row, token))
+            if token in ctx.eos_token_ids or len(chain) >= self.budget:
+                self.done = True
+                return
+            if policy.should_stop(DraftStep(len(chain) - 1, token, row, None, state)):
+                self.done = True
+                return
+        self.forced = [chain[-1]]
+
+    def draft(self) -> Draft | None:
+        if not self.chain:
+            return None
+        return self.drafter._lengthened(self.chain, self.ctx, self.scores or None)
