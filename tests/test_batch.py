@@ -372,3 +372,44 @@ def test_a_drafter_reused_after_a_request_that_ended_on_a_draft_starts_clean(met
     controller._plain_left = 2  # the next request's first rounds: plain steps
     steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 7, controller=controller)
     assert [t for step in steps for t in step] == ref
+
+
+@pytest.mark.parametrize("method", ["draft_model", "anpd"])
+def test_sampled_rows_of_a_batch_follow_the_target_distribution(method):
+    """Chi-square on batched rows: 1,400 rows (100 batches of 14 rows of one prompt beside a shorter
+    prompt, so the cache is ragged), each sampling its first three tokens through drafts three deep."""
+    from scipy.stats import chisquare
+
+    from test_sampling import _first_tokens_exact
+
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.1)
+    prompt = [3, 4, 5] + reference_greedy(model, [3, 4, 5], 12)
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+    exact = _first_tokens_exact(model, prompt, sampling, 3)
+    counts = dict.fromkeys(exact, 0)
+    gen = torch.Generator().manual_seed(5)
+    runner = ModelRunner(model)
+    deep = 0
+    for _ in range(100):
+        requests = [
+            Request(prompt, build_drafter(method, draft, VOCAB, num_speculative_tokens=3), sampling, 4,
+                    generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))))
+            for _ in range(14)
+        ] + [Request([9, 8], build_drafter(method, draft, VOCAB, num_speculative_tokens=3), sampling, 6,
+                     generator=torch.Generator().manual_seed(1))]  # fmt: skip
+        outputs = [[] for _ in requests]
+        for row, new in engine.run_batch(runner, requests):
+            outputs[row].extend(new)
+        for out, request in zip(outputs[:14], requests[:14], strict=True):
+            counts[tuple(out[:3])] += 1
+            per = request.stats.accepted_per_position
+            deep += len(per) > 2 and per[2] > 0
+    assert deep >= 5  # drafts accepted three deep decided some third tokens
+    trials = 1400
+    keep = sorted((k for k, p in exact.items() if p * trials >= 5), key=exact.get, reverse=True)
+    observed, expected = [counts[k] for k in keep], [exact[k] * trials for k in keep]
+    observed[-1] += trials - sum(observed)
+    expected[-1] += trials - sum(expected)
+    _, pvalue = chisquare(observed, expected)
+    assert pvalue > 1e-3
