@@ -15,6 +15,8 @@ embed (one of those padding ids) reaches the draft as its pad token instead
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,20 @@ class DraftModelState:
         del self.seen[keep:]
         self.committed = len(tokens)
         return keep
+
+
+@contextmanager
+def side_by_side(runner, states: list[DraftModelState]) -> Iterator[tuple[object, list[int]]]:
+    """The rows' draft caches side by side for one round (the target's batch layout, ``cache.join``)
+    with each row's length, to be kept up to date by the caller; each state gets its row back at the end."""
+    cache = runner.new_cache()
+    lengths = []
+    for n, state in enumerate(states):
+        lengths.append(len(state.seen))
+        cache_ops.join(cache, n, state.cache)
+    yield cache, lengths
+    for state, row_cache in zip(states, cache_ops.split_rows(cache, lengths), strict=True):
+        state.cache = row_cache
 
 
 class DraftRound:
@@ -206,32 +222,26 @@ class DraftModelDrafter(Drafter):
             return [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
         runner = drafters[live[0]].runner
         needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
-        cache = runner.new_cache()
-        feeds, lengths = [], []
-        for n, i in enumerate(live):
-            feeds.append(rounds[i].catch_up())
-            state = drafters[i].state
-            lengths.append(len(state.seen))
-            cache_ops.join(cache, n, state.cache)
-        while any(feeds):
-            chains = [drafters[i].state.feed(feed or [ctxs[i].tokens[-1]]) for i, feed in zip(live, feeds, strict=True)]
-            trees = [TokenTree(chain, list(range(-1, len(chain) - 1))) for chain in chains]
-            columns = cache_ops.cache_length(cache)
-            outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
-            paths = [list(range(len(feed))) for feed in feeds]
-            runner.commit_rows(cache, columns, lengths, paths)
-            for n, (i, feed) in enumerate(zip(live, feeds, strict=True)):
-                if not feed:
-                    continue
-                drafter, out = drafters[i], outs[n]
-                drafter._forwards += 1
-                drafter.state.seen.extend(feed)
-                lengths[n] += len(feed)
-                logits = drafter._fit(out.logits[len(feed) - 1].to(ctxs[i].device))
-                hidden = out.hidden[len(feed) - 1] if out.hidden is not None else None
-                feeds[n] = rounds[i].take(logits, hidden) or []
-        for i, row_cache in zip(live, cache_ops.split_rows(cache, lengths), strict=True):
-            drafters[i].state.cache = row_cache
+        feeds = [rounds[i].catch_up() for i in live]
+        with side_by_side(runner, [drafters[i].state for i in live]) as (cache, lengths):
+            while any(feeds):
+                chains = [drafters[i].state.feed(feed or [ctxs[i].tokens[-1]])
+                          for i, feed in zip(live, feeds, strict=True)]  # fmt: skip
+                trees = [TokenTree(chain, list(range(-1, len(chain) - 1))) for chain in chains]
+                columns = cache_ops.cache_length(cache)
+                outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
+                paths = [list(range(len(feed))) for feed in feeds]
+                runner.commit_rows(cache, columns, lengths, paths)
+                for n, (i, feed) in enumerate(zip(live, feeds, strict=True)):
+                    if not feed:
+                        continue
+                    drafter, out = drafters[i], outs[n]
+                    drafter._forwards += 1
+                    drafter.state.seen.extend(feed)
+                    lengths[n] += len(feed)
+                    logits = drafter._fit(out.logits[len(feed) - 1].to(ctxs[i].device))
+                    hidden = out.hidden[len(feed) - 1] if out.hidden is not None else None
+                    feeds[n] = rounds[i].take(logits, hidden) or []
         return [rounds[i].draft() if rounds[i] is not None else None for i in range(len(drafters))]
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:

@@ -58,7 +58,7 @@ from speculum.drafters.base import (
     check_tree_size,
     token_probability,
 )
-from speculum.drafters.draft_model import DraftModelState
+from speculum.drafters.draft_model import DraftModelState, side_by_side
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
@@ -214,7 +214,7 @@ class OuroborosDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         round_ = self._begin(ctx)
-        return self._finish_alone(round_) if round_ is not None else None
+        return self._draft_alone(round_) if round_ is not None else None
 
     @property
     def batch_key(self):
@@ -230,30 +230,24 @@ class OuroborosDrafter(Drafter):
         rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
         live = [i for i, r in enumerate(rounds) if r is not None]
         if len(live) < 2:  # nothing to batch
-            return [drafters[i]._finish_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+            return [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
         runner = drafters[live[0]].runner
         needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
-        cache = runner.new_cache()
-        lengths = []
-        for n, i in enumerate(live):
-            state = drafters[i].state
-            lengths.append(len(state.seen))
-            cache_ops.join(cache, n, state.cache)
-        while not all(rounds[i].done for i in live):
-            trees = [TokenTree([ctxs[i].tokens[-1]], [-1]) if rounds[i].done else rounds[i].tree() for i in live]
-            columns = cache_ops.cache_length(cache)
-            outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
-            paths = [[] if rounds[i].done else rounds[i].path(out.logits) for i, out in zip(live, outs, strict=True)]
-            runner.commit_rows(cache, columns, lengths, paths)
-            for n, (i, out, path) in enumerate(zip(live, outs, paths, strict=True)):
-                if path:
-                    lengths[n] += len(path)
-                    rounds[i].take(out.logits, out.hidden)
-        for i, row_cache in zip(live, cache_ops.split_rows(cache, lengths), strict=True):
-            drafters[i].state.cache = row_cache
+        with side_by_side(runner, [drafters[i].state for i in live]) as (cache, lengths):
+            while not all(rounds[i].done for i in live):
+                trees = [TokenTree([ctxs[i].tokens[-1]], [-1]) if rounds[i].done else rounds[i].tree() for i in live]
+                columns = cache_ops.cache_length(cache)
+                outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
+                paths = [[] if rounds[i].done else rounds[i].path(out.logits)
+                         for i, out in zip(live, outs, strict=True)]  # fmt: skip
+                runner.commit_rows(cache, columns, lengths, paths)
+                for n, (i, out, path) in enumerate(zip(live, outs, paths, strict=True)):
+                    if path:
+                        lengths[n] += len(path)
+                        rounds[i].take(out.logits, out.hidden)
         return [rounds[i].draft() if rounds[i] is not None else None for i in range(len(drafters))]
 
-    def _finish_alone(self, round_: PhraseRound) -> Draft | None:
+    def _draft_alone(self, round_: PhraseRound) -> Draft | None:
         state = self.state
         while not round_.done:
             tree = round_.tree()
