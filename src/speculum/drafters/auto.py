@@ -157,7 +157,8 @@ class ModelGate:
         self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
         cheap = self.without_model.rate
         if cheap is not None:  # rounds without the model this one round lost, per row
-            self._losses = (([] if self._probe else self._losses) + [seconds * cheap - tokens])[-3:]
+            recent = [] if self._probe else self._losses
+            self._losses = (recent + [seconds * cheap - tokens])[-self.with_model.min_evidence :]
         self._probe = False
         if not self.with_model.judged:
             return
