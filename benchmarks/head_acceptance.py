@@ -1,9 +1,9 @@
-"""Mean acceptance length β of drafter configurations by exact replay (no timing noise): each
-prompt's greedy reference is decoded once, then every configuration replays it step by step and
-gets exactly the acceptances a real greedy run would (head drafters read the target's hidden
-states from one recorded forward; lookahead and Ouroboros, which read its predictions off the
-accepted path, get those from the target). For choosing heads and training recipes on held-out
-prompts before a timed run.
+"""Mean acceptance length β of drafter configurations by exact replay (no timing noise), per
+prompt set: each prompt's greedy reference is decoded once (``--batch``: with the batched engine),
+then every configuration replays it step by step and gets exactly the acceptances a real greedy
+run would (head drafters read the target's hidden states from one recorded forward; lookahead
+and Ouroboros, which read its predictions off the accepted path, get those from the target). For
+choosing heads and training recipes on held-out prompts before a timed run.
 
     python benchmarks/head_acceptance.py --model gemma-3-270m --dataset humaneval,gsm8k,mt_bench \
         --skip 5 --limit 5 --max-new-tokens 64 --methods "anpd;medusa:heads=DIR;ctc:heads=DIR,top_k=4"
@@ -31,28 +31,44 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", required=True, help="';'-separated method specs (name:key=value,...)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="make the greedy references this many prompts at a time (batched engine; faster)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = speculum.load(args.model)
     has_template = bool(getattr(spec.tokenizer, "chat_template", None))
-    chosen = [p for name in args.dataset.split(",") for p in load_dataset(name, args.skip + args.limit)[args.skip :]]
-    prompts = [spec.encode_prompt(p.render(p.chat_default and has_template)) for p in chosen]
-    recorded = prepare_prompts(spec, prompts, args.max_new_tokens, hidden=True)
+    sets = args.dataset.split(",")
+    chosen = {name: load_dataset(name, args.skip + args.limit)[args.skip :] for name in sets}
+    prompts = [spec.encode_prompt(p.render(p.chat_default and has_template)) for name in sets for p in chosen[name]]
+    recorded = prepare_prompts(spec, prompts, args.max_new_tokens, hidden=True, batch=args.batch)
+    by_set, first = {}, 0
+    for name in sets:
+        by_set[name] = recorded[first : first + len(chosen[name])]
+        first += len(chosen[name])
     print(f"{len(recorded)} prompts of {args.dataset} (each set's {args.skip + 1}th on), {args.max_new_tokens} tokens")
-    print("| method | β (tokens per step) | mean draft tree size |")
-    print("|---|---|---|")
+    print("| method | " + " | ".join(f"β {name}" for name in sets) + " | β mean over sets | mean draft tree size |")
+    print("|---|" + "---|" * (len(sets) + 2))
     for text in args.methods.split(";"):
         config = parse_method_spec(text).to_config()
         resources = dataclasses.replace(spec.resources(), shared={})
         drafter = config.drafter_class()(config.options(), resources)
-        tokens = steps = nodes = 0
-        for p in recorded:
-            stats = p.replay(drafter, spec)
-            tokens += stats.new_tokens
-            steps += len(stats.accept_lengths)
-            nodes += sum(stats.draft_sizes)
-        print(f"| {text} | {tokens / max(steps, 1):.3f} | {nodes / max(steps, 1):.1f} |", flush=True)
+        betas, nodes, steps_all = [], 0, 0
+        for name in sets:
+            tokens = steps = 0
+            for p in by_set[name]:
+                stats = p.replay(drafter, spec)
+                tokens += stats.new_tokens
+                steps += len(stats.accept_lengths)
+                nodes += sum(stats.draft_sizes)
+            betas.append(tokens / max(steps, 1))
+            steps_all += steps
+        cells = " | ".join(f"{b:.3f}" for b in betas)
+        print(f"| {text} | {cells} | {sum(betas) / len(betas):.3f} | {nodes / max(steps_all, 1):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

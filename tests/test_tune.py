@@ -1,8 +1,10 @@
 """speculum tune: the cost model, replay-based scoring, the search, config files and the CLI."""
 
 import json
+import math
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import speculum
@@ -68,6 +70,21 @@ def test_scoring_ouroboros_follows_a_real_run_over_prompts_sharing_a_pool(model_
     scored = ReplayScorer(spec, "ouroboros", prompts, CostModel([(1, 1e-3), (2, 2e-3)])).score(params)
     assert scored.trajectory == tuple((tuple(s.draft_sizes), tuple(s.accept_lengths), s.draft_forwards) for s in real)
     assert all(p.replayer.target_forwards > 0 for p in prompts)  # rejected drafts were read off the path
+
+
+def test_batched_references_equal_one_at_a_time_and_replay_the_same(spec):
+    """Acceptance studies may make the references with the batched engine: the same greedy tokens
+    and hidden states, so every replay gets the same acceptances."""
+    ids = [spec.encode_prompt(p) for p in PROMPTS]
+    alone = prepare_prompts(spec, ids, 16, hidden=True)
+    batched = prepare_prompts(spec, ids, 16, hidden=True, batch=2)
+    config = SpeculativeConfig.coerce("anpd")
+    for a, b in zip(alone, batched, strict=True):
+        assert a.reference == b.reference and len(a.reference) == 16
+        assert torch.allclose(a.hidden, b.hidden, atol=1e-5)
+        assert a.plain_time > 0 and math.isnan(b.plain_time)  # no timings from a batched run
+        drafter = config.drafter_class()(config.options(), spec.resources())
+        assert a.replay(drafter, spec).accept_lengths == b.replay(drafter, spec).accept_lengths
 
 
 def test_tune_keeps_fixed_params_and_never_chooses_worse_than_the_start(spec):

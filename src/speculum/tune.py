@@ -28,6 +28,7 @@ decoding (and the method's defaults), and can be written to a config file that `
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,18 +148,31 @@ def _defaults(method: str) -> dict[str, Any]:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
-def prepare_prompts(spec, prompt_ids: list[list[int]], max_new_tokens: int, hidden: bool = False) -> list[TunePrompt]:
+def prepare_prompts(
+    spec, prompt_ids: list[list[int]], max_new_tokens: int, hidden: bool = False, batch: int = 1
+) -> list[TunePrompt]:
     """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first);
-    ``hidden``: also the target's hidden states over prompt + reference (one forward each)."""
-    spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
-    prompts = []
-    for ids in prompt_ids:
-        result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
-        stats = result.stats
-        prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
-        if hidden:
-            runner = spec.runner
-            prompts[-1].hidden = runner.prefill(runner.new_cache(), ids + result.token_ids, hidden=True)
+    ``hidden``: also the target's hidden states over prompt + reference (one forward each).
+
+    ``batch`` > 1: the references come from the batched engine, that many prompts at a time (far
+    faster on a big target), and no timings are taken (NaN): for acceptance studies only."""
+    if batch > 1:
+        references = []
+        for first in range(0, len(prompt_ids), batch):
+            results = spec.generate(prompt_ids[first : first + batch], "autoregressive", max_new_tokens=max_new_tokens)
+            references.extend(result.token_ids for result in results)
+        prompts = [TunePrompt(ids, ref, math.nan, math.nan) for ids, ref in zip(prompt_ids, references, strict=True)]
+    else:
+        spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
+        prompts = []
+        for ids in prompt_ids:
+            result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
+            stats = result.stats
+            prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
+    if hidden:
+        runner = spec.runner
+        for p in prompts:
+            p.hidden = runner.prefill(runner.new_cache(), p.ids + p.reference, hidden=True)
     return prompts
 
 
