@@ -50,6 +50,43 @@ def test_from_paths_keeps_the_best_paths_within_the_budget():
     assert Draft.from_paths([[], [1]]).tokens == [1]
 
 
+def _kept_mass(draft, total):
+    """The summed probability mass of a draft's nodes (``total``: mass by prefix)."""
+    prefixes = []
+    for i, token in enumerate(draft.tokens):
+        parent = draft.parents[i]
+        prefixes.append((prefixes[parent] if parent >= 0 else ()) + (token,))
+    return sum(total[prefix] for prefix in prefixes)
+
+
+def test_from_paths_by_mass_keeps_the_sub_tree_with_the_most_probability():
+    paths, weights = [[1, 2, 3], [1, 4], [5, 6], [5, 7]], [0.3, 0.25, 0.25, 0.2]
+    first = Draft.from_paths(paths, 4, weights)
+    assert first.tokens == [1, 2, 3, 4]  # path order: both of 5's children lost, and 5 with them
+    by_mass = Draft.from_paths(paths, 4, weights, keep="mass")
+    assert by_mass.tokens == [1, 2, 3, 5] and by_mass.parents == [-1, 0, 1, -1]  # masses .55 .3 .3 .45
+    assert by_mass.scores == pytest.approx([0.55, 0.3 / 0.55, 1.0, 0.45])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):  # random tries: a valid sub-tree (parents first) whose total mass is never below path order's
+        paths = [torch.randint(0, 3, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+                 for _ in range(12)]  # fmt: skip
+        weights = sorted(torch.rand(12, generator=gen).tolist(), reverse=True)
+        full = Draft.from_paths(paths, weights=weights)
+        total = {tuple(prefix): 0.0 for path in paths for prefix in (path[: d + 1] for d in range(len(path)))}
+        for path, w in zip(paths, weights, strict=True):
+            for d in range(len(path)):
+                total[tuple(path[: d + 1])] += w
+
+        for size in (3, 6):
+            assert (
+                _kept_mass(Draft.from_paths(paths, size, weights, keep="mass"), total)
+                >= _kept_mass(Draft.from_paths(paths, size, weights), total) - 1e-9
+            )
+        assert len(full) >= len(Draft.from_paths(paths, 6, weights, keep="mass"))
+    with pytest.raises(ValueError, match="weights"):
+        Draft.from_paths(paths, 4, keep="mass")
+
+
 def test_cut_at_eos():
     assert cut_at_eos([4, 2, 5], {2}) == [4, 2]
     assert cut_at_eos([4, 5], {2}) == [4, 5]
@@ -139,6 +176,8 @@ def test_bad_options_are_refused(llama, tmp_path):
         build_drafter("medusa", target=llama, heads=path, tree_choices=[[0, 0, 0, 0, 0]])
     with pytest.raises(InvalidInputError, match="tree_nodes"):
         build_drafter("ctc", target=llama, heads=path, tree_nodes=0)
+    with pytest.raises(InvalidInputError, match="tree must be"):
+        build_drafter("ctc", target=llama, heads=path, tree="widest")
 
 
 def test_fingerprint_does_not_depend_on_the_dtype(llama):
@@ -169,6 +208,7 @@ def arch(request, tmp_path_factory):
         ("medusa", {"tree_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
         ("ctc", {}),
         ("ctc", {"ctc_transform": False, "tree_nodes": 8}),
+        ("ctc", {"tree": "mass", "tree_nodes": 12}),
     ],
 )
 def test_greedy_output_equals_plain_decoding(arch, kind, params):

@@ -75,15 +75,28 @@ class Draft:
 
     @classmethod
     def from_paths(
-        cls, paths: list[list[int]], max_nodes: int | None = None, weights: list[float] | None = None
+        cls,
+        paths: list[list[int]],
+        max_nodes: int | None = None,
+        weights: list[float] | None = None,
+        keep: str = "first",
     ) -> Draft:
         """A deterministic draft holding every path (token sequences below the root) as a trie:
         shared prefixes become shared nodes, so each node's depth, and with it its position id, is
-        its place in the sequence. Paths are taken in order (best first): once ``max_nodes`` nodes
-        exist, later paths only keep the prefix already in the trie.
+        its place in the sequence.
 
         ``weights`` (each path's probability, as its drafter sees it) give every node a score: the
-        share of its parent's probability mass that goes through it."""
+        share of its parent's probability mass that goes through it. Which nodes ``max_nodes``
+        keeps (``keep``): ``"first"``, the paths in order (best first; once the budget is spent,
+        later paths only keep the prefix already in the trie); ``"mass"`` (needs ``weights``), the
+        nodes with the most probability mass through them. A node's mass is at most its parent's,
+        so those form a sub-tree, and the one whose expected accepted length (the sum of its
+        nodes' masses, when the weights are calibrated) is the largest."""
+        if keep not in ("first", "mass"):
+            raise ValueError(f"keep must be 'first' or 'mass', not {keep!r}")
+        if keep == "mass" and weights is None:
+            raise ValueError("keep='mass' needs the paths' weights")
+        budget = None if keep == "mass" else max_nodes
         tokens: list[int] = []
         parents: list[int] = []
         mass: list[float] = []
@@ -93,7 +106,7 @@ class Draft:
             for token in path:
                 node = node_of.get((parent, token))
                 if node is None:
-                    if max_nodes is not None and len(tokens) >= max_nodes:
+                    if budget is not None and len(tokens) >= budget:
                         break
                     node = node_of[(parent, token)] = len(tokens)
                     tokens.append(int(token))
@@ -102,6 +115,15 @@ class Draft:
                 if weights is not None:
                     mass[node] += weights[p]
                 parent = node
+        if keep == "mass" and max_nodes is not None and len(tokens) > max_nodes:
+            depth = [0] * len(tokens)
+            for i, parent in enumerate(parents):
+                depth[i] = 1 if parent < 0 else depth[parent] + 1
+            # a parent sorts before its children (more mass, or as much and shallower): the kept set is a sub-tree
+            kept = sorted(sorted(range(len(tokens)), key=lambda i: (-mass[i], depth[i], i))[:max_nodes])
+            index = {old: new for new, old in enumerate(kept)}
+            tokens, mass = [tokens[i] for i in kept], [mass[i] for i in kept]
+            parents = [-1 if parents[i] < 0 else index[parents[i]] for i in kept]
         if weights is None:
             return cls(tokens, parents)
         total = sum(weights[p] for p, path in enumerate(paths) if path)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
+from speculum.errors import InvalidInputError
 from speculum.heads import resolve_draft_head
 
 DEFAULT_TREE_NODES = 16
@@ -75,9 +76,15 @@ class Options:
     top_k: int = 4  # candidates per frame (the blank included); 4 chosen on the tuning prompts (Gemma 3 270M)
     candidates: int = 48  # alignments enumerated before the trie is cut at tree_nodes
     ctc_transform: bool = True  # False: each frame's best non-blank tokens as they are (ablation)
+    # which tree_nodes nodes of the candidates' trie are drafted: "first", the best alignments'
+    # (the paper's order); "mass", those with the most probability summed over the alignments
+    # through them (every alignment that collapses to a prefix counts toward it)
+    tree: str = "first"
 
     def __post_init__(self) -> None:
         check_options("ctc", self, {"top_k": 1, "candidates": 1}, ("ctc_transform",), path="heads")
+        if self.tree not in ("first", "mass"):
+            raise InvalidInputError(f"ctc: tree must be 'first' or 'mass', got {self.tree!r}")
         if self.tree_nodes is not None:
             check_options("ctc", self, {"tree_nodes": 1})
             check_tree_size("ctc", self.tree_nodes, "tree_nodes")
@@ -117,6 +124,9 @@ class CTCDrafter(HeadDrafter):
             tokens = [vocab[i] for i in sequence[: ctx.max_depth]]
             paths.append(cut_at_eos(tokens, ctx.eos_token_ids))
             weights.append(math.exp(logprob))  # the alignment's probability: a controller's estimates
-        draft = Draft.from_paths(paths, self.tree_nodes, weights if ctx.wants_scores else None)
+        by_mass = self.options.tree == "mass"
+        draft = Draft.from_paths(
+            paths, self.tree_nodes, weights if ctx.wants_scores or by_mass else None, "mass" if by_mass else "first"
+        )
         self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None
