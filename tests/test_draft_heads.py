@@ -267,8 +267,10 @@ def _toy_texts(tmp_path):
     return str(path), motifs
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ctc"])
-def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_path):
+@pytest.mark.parametrize("kind,precision", [("medusa", "float32"), ("ctc", "float32"), ("ctc", "bfloat16")])
+def test_training_lowers_validation_loss_and_resumes(kind, precision, speculum_llama, tmp_path):
+    """Trains in float32 or in bfloat16 mixed precision (the forward autocast, as ``precision="auto"``
+    does on a CPU with native bf16)."""
     from speculum.training import draft_heads
     from speculum.training.texts import training_texts
 
@@ -278,7 +280,7 @@ def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_p
     # a random model does not write the motifs, so every label counts here (not only those on its own path)
     settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
                                         epochs=6, lr=1e-2, batch_size=32, val_fraction=0.2,
-                                        consistent=False)  # fmt: skip
+                                        consistent=False, precision=precision)  # fmt: skip
     data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
     examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
     vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
@@ -294,6 +296,7 @@ def test_training_lowers_validation_loss_and_resumes(kind, speculum_llama, tmp_p
     assert history[-1]["val_accepted_prefix"] > before["val_accepted_prefix"]
     config = json.loads((out / "config.json").read_text())
     assert config["kind"] == kind and config["training"]["history"] == history
+    assert config["training"]["precision"] == precision
     if kind == "medusa":
         assert len(config["inference"]["topk_accuracy"]) == 3
     # resume: one more epoch from the checkpoint, the earlier epochs' metrics kept
@@ -322,6 +325,20 @@ def _path_data():
         "text": torch.zeros(10, dtype=torch.int32),
         "response": torch.ones(10, dtype=torch.bool),
     }
+
+
+def test_mixed_precision_follows_the_device(monkeypatch):
+    from speculum.models import dtypes
+    from speculum.training import draft_heads
+
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: True)
+    assert draft_heads.mixed_precision("auto", "cpu") is torch.bfloat16
+    assert draft_heads.mixed_precision("float32", "cpu") is None
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    assert draft_heads.mixed_precision("auto", "cpu") is None  # an AVX2 CPU emulates bf16: slower
+    assert draft_heads.mixed_precision("bfloat16", "cpu") is torch.bfloat16
+    with pytest.raises(InvalidInputError, match="precision"):
+        draft_heads.HeadSettings("ctc", precision="fp8").check()
 
 
 def test_labels_count_only_while_the_text_stays_on_the_targets_path():

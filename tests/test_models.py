@@ -157,9 +157,9 @@ def test_resolve_dtype_names():
 
 
 def test_resolve_dtype_auto_follows_cpu_bf16(monkeypatch):
-    monkeypatch.setattr(models.dtypes, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(models.dtypes, "cpu_has_fast_bf16", lambda: True)
     assert models.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(models.dtypes, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(models.dtypes, "cpu_has_fast_bf16", lambda: False)
     assert models.resolve_dtype("auto", "cpu") is torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)

@@ -450,6 +450,13 @@ DataOption = Annotated[
         help="Distillation data cache to use (e.g. the other kind's OUT/distill_data.safetensors; default: in --out)."
     ),
 ]
+PrecisionOption = Annotated[
+    str,
+    typer.Option(
+        help="Training arithmetic: auto (bfloat16 mixed precision where the device computes bf16 natively: "
+        "avx512_bf16/AMX CPUs, CUDA GPUs; float32 elsewhere), float32 or bfloat16."
+    ),
+]
 ConsistentOption = Annotated[
     bool,
     typer.Option(help="Learn a label only while the text stays on the target's own greedy path."),
@@ -518,6 +525,7 @@ def train_medusa(
     threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
     regenerate: Annotated[bool, typer.Option(help="Remake the cached data.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+    precision: PrecisionOption = "auto",
 ) -> None:
     """Train Medusa-1 heads on the frozen target (self-distilled: the target's own predictions are the labels)."""
     from speculum.training.draft_heads import DistillSettings, HeadSettings
@@ -525,6 +533,7 @@ def train_medusa(
     settings = HeadSettings(
         "medusa", num_heads=num_heads, num_layers=num_layers, draft_vocab=draft_vocab, epochs=epochs, lr=lr,
         batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes, consistent=consistent,
+        precision=precision,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
     data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)
@@ -557,6 +566,7 @@ def train_ctc_drafter(
     threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
     regenerate: Annotated[bool, typer.Option(help="Remake the cached data.")] = False,
     resume: Annotated[bool, typer.Option(help="Continue from the checkpoint in --out.")] = False,
+    precision: PrecisionOption = "auto",
 ) -> None:
     """Train CTC-drafter's attention draft module (one transformer layer, CTC loss) on the frozen target."""
     from speculum.training.draft_heads import DistillSettings, HeadSettings
@@ -564,7 +574,7 @@ def train_ctc_drafter(
     settings = HeadSettings(
         "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
-        consistent=consistent,
+        consistent=consistent, precision=precision,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
     data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)

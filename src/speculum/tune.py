@@ -67,6 +67,7 @@ SEARCH_SPACES: dict[str, list[tuple[str, list[Any]]]] = {
         ("tree_nodes", [4, 8, 12, 16, 24, 32, 48]),
         ("top_k", [2, 3, 4]),
         ("candidates", [16, 32, 48, 96]),
+        ("tree", ["first", "mass"]),
     ],
     "anpd": [
         ("num_speculative_tokens", [3, 5, 7, 10]),

@@ -66,7 +66,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -108,7 +108,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if name == "auto":
         if _is_cuda_device(device):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if name in _DTYPE_NAMES:
         return _DTYPE_NAMES[name]
     raise InvalidInputError(
@@ -250,7 +250,7 @@ def choose_dtype(
     if _is_cuda_device(device):
         why = "bfloat16 on this GPU" if resolved is torch.bfloat16 else "float16: this GPU has no bfloat16"
         return DtypeChoice(resolved, f"auto: {why}")
-    if not _cpu_has_fast_bf16():
+    if not cpu_has_fast_bf16():
         return DtypeChoice(
             torch.float32, "auto: this CPU has no native bfloat16 (AVX-512-BF16 or AMX), bfloat16 would be emulated"
         )

@@ -47,6 +47,7 @@ from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import CTCDraftModule, MedusaHeads, load_draft_head, save_draft_head
 from speculum.heads.checkpoint import model_fingerprint
 from speculum.heads.projection import lm_head_weight
+from speculum.models import dtypes
 from speculum.poolfile import write_atomic
 from speculum.runner import ModelRunner
 from speculum.training.common import cached_tensors, split_by_text, torch_bytes
@@ -55,6 +56,7 @@ from speculum.training.texts import TrainingText, encode, generation_layouts
 DATA_FILE = "distill_data.safetensors"
 CONTINUATIONS_FILE = "continuations.jsonl"  # beside the data file: the target's continuations so far
 TOPK = 10  # hit rates measured per head position up to this rank
+PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -237,6 +239,9 @@ class HeadSettings:
     max_examples: int = 0  # per epoch, 0 = every example (a random subset otherwise)
     tree_nodes: int = 16  # recommended draft tree size, saved with the heads
     consistent: bool = True  # learn a label only while the text stays on the target's own path
+    # the training arithmetic: "bfloat16" autocasts the forward (weights and optimizer stay float32);
+    # "auto" does where the device computes bf16 natively (2.4x faster on an avx512_bf16 CPU)
+    precision: str = "auto"
 
     @property
     def span(self) -> int:
@@ -247,9 +252,22 @@ class HeadSettings:
             raise InvalidInputError(f"unknown head kind {self.kind!r}: medusa or ctc")
         if self.kind == "ctc" and self.slots < self.label_length:
             raise InvalidInputError(f"slots ({self.slots}) must be >= label_length ({self.label_length})")
+        if self.precision not in PRECISIONS:
+            raise InvalidInputError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         for name in ("num_heads", "num_layers", "slots", "label_length", "context", "draft_vocab", "epochs"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1")
+
+
+def mixed_precision(precision: str, device: str) -> torch.dtype | None:
+    """The dtype training's forward autocasts to (None: plain float32)."""
+    if precision == "float32":
+        return None
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if dtypes.cpu_has_fast_bf16() else None
 
 
 def _run_lengths(flags: torch.Tensor) -> torch.Tensor:
@@ -338,6 +356,7 @@ def loss_of(module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """Medusa: cross-entropy per head weighted 0.8^k; CTC: torch's CTC loss (rows whose labels are
     not all in the draft vocabulary are left out)."""
     if isinstance(module, MedusaHeads):
+        logits = logits.float()
         weights = 0.8 ** torch.arange(targets.shape[1], device=logits.device, dtype=logits.dtype)
         known_targets = targets.masked_fill(targets < 0, -100)
         per_head = F.cross_entropy(logits.transpose(1, 2), known_targets, ignore_index=-100, reduction="none")
@@ -449,6 +468,8 @@ def train(
         f"{len(draft_vocab)} tokens covering {coverage:.1%} of the target's predictions"
     )
     gen = torch.Generator().manual_seed(settings.seed + len(history))
+    mixed = mixed_precision(settings.precision, device)
+    autocast = torch.autocast(torch.device(device).type, dtype=mixed or torch.bfloat16, enabled=mixed is not None)
     started = time.perf_counter()
     for epoch in range(len(history), settings.epochs):
         module.train()
@@ -458,7 +479,8 @@ def train(
         for step in bar:
             roots = order[step * settings.batch_size : (step + 1) * settings.batch_size]
             batch = examples.batch(roots, device)
-            logits = module_logits(module, batch, embeddings)
+            with autocast:
+                logits = module_logits(module, batch, embeddings)
             loss = loss_of(module, logits, targets_of(module, batch))
             optimizer.zero_grad()
             loss.backward()
@@ -480,6 +502,7 @@ def train(
         training = {
             **(info or {}),
             "settings": asdict(settings),
+            "precision": str(mixed or torch.float32).removeprefix("torch."),
             "draft_vocab_coverage": round(coverage, 4),
             "examples": {"train": len(train_roots), "validation": len(val_roots)},
             "seconds": round(time.perf_counter() - started, 1),
