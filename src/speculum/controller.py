@@ -138,6 +138,34 @@ class Goodput:
         return None if self.tokens is None else self.tokens / max(self.seconds, 1e-9)
 
 
+class Backoff:
+    """Plain rounds after drafting stopped paying: 1, 2, 4, ... ``max_backoff`` (a drafter that
+    becomes good again is noticed within that many rounds), grown past it, up to 8 times it, until
+    a probe's loss is at most ``exploration`` of the rounds between probes. The controller, the
+    batch verdicts and ``auto``'s model gate all back off this way."""
+
+    def __init__(self, max_backoff: int, exploration: float):
+        self.max_backoff = max_backoff
+        self.exploration = exploration
+        self.length = 1  # the next back-off's rounds
+        self.losses: list[float] = []  # plain rounds each recent drafting round lost (negative: gained)
+
+    def note(self, loss: float, fresh: bool, keep: int) -> None:
+        """A drafting round's loss; ``fresh``: a probe's (the rounds before the back-off are forgotten)."""
+        self.losses = (([] if fresh else self.losses) + [loss])[-keep:]
+
+    def lost(self) -> int:
+        """Drafting does not pay: the rounds to go plain now (and the next back-off doubled, capped)."""
+        rounds = self.length
+        cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self.losses) / self.exploration)))
+        self.length = min(2 * self.length, cap)
+        return rounds
+
+    def won(self) -> None:
+        """Drafting pays (or a new request begins): the next back-off starts at one round again."""
+        self.length = 1
+
+
 class BatchVerdict:
     """Whether the rows of one configuration draft this step, at one batch size (shared by their
     controllers, kept across requests): the goodput of the rows that drafted, each on its share of
@@ -147,12 +175,10 @@ class BatchVerdict:
     controller's is until a probe loses at most ``exploration`` of the time."""
 
     def __init__(self, max_backoff: int, exploration: float, goodput: Goodput, margin: float):
-        self.max_backoff = max_backoff
-        self.exploration = exploration
         self.margin = margin
         self.asked = goodput
-        self._backoff, self._skip, self._probe = 1, 0, False
-        self._losses: list[float] = []
+        self.backoff = Backoff(max_backoff, exploration)
+        self._skip, self._probe = 0, False
         self._step: object = None
         self._decision = True
         self._pending = [0.0, 0.0, 0.0, 0]  # this step's drafting rows: tokens, seconds, plain seconds, rows
@@ -188,16 +214,14 @@ class BatchVerdict:
             return
         self.asked.add(tokens / rows, seconds / rows, fresh=self._probe, rows=rows)
         loss = (seconds / plain_seconds - tokens / rows) if plain_seconds > 0 else 0.0  # plain steps lost a row
-        self._losses = (([] if self._probe else self._losses) + [loss])[-self.asked.min_evidence :]
+        self.backoff.note(loss, self._probe, self.asked.min_evidence)
         self._probe = False
         if not self.asked.judged:
             return
         if self.asked.rate < (rows / plain_seconds) * (1.0 + self.margin):
-            self._skip = self._backoff
-            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
-            self._backoff = min(self._backoff * 2, cap)
+            self._skip = self.backoff.lost()
         else:
-            self._backoff = 1
+            self.backoff.won()
 
 
 @dataclass
@@ -257,10 +281,9 @@ class Controller:
         self.asked = Goodput(goodput_smoothing, min_evidence)
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
         self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
-        self._backoff = 1
+        self.backoff = Backoff(max_backoff, exploration)
         self._plain_left = 0
         self.probing = False
-        self._losses: list[float] = []  # plain steps each recent asked round lost (negative: gained)
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
         self._expected = 2.0  # committed tokens expected per round, recently
         self._drafting = 0.0  # seconds of drafting per asked round, recently
@@ -279,7 +302,7 @@ class Controller:
         configuration). ``gate_only``: see the attribute."""
         row = copy.copy(self)
         row.asked = copy.copy(self.asked)
-        row._losses = list(self._losses)
+        row.backoff = copy.deepcopy(self.backoff)
         row.gate_only = gate_only
         return row
 
@@ -295,7 +318,8 @@ class Controller:
 
     def start(self) -> None:
         if not self.carry_backoff:
-            self._backoff, self._plain_left, self.probing = 1, 0, False
+            self.backoff.won()
+            self._plain_left, self.probing = 0, False
 
     def plain_rate(self) -> float:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
@@ -503,18 +527,14 @@ class Controller:
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
         loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
-        recent = [] if self.probing else self._losses
-        self._losses = (recent + [loss])[-self.asked.min_evidence :]
+        self.backoff.note(loss, self.probing, self.asked.min_evidence)
         self.probing = False
         if not self.asked.judged:
             return  # too few rounds to judge: acceptance comes in bursts
         if self.asked.rate < plain_rate * (1.0 + self.margin):
-            self._plain_left = self._backoff
-            # a probe that lost L plain steps is worth one per L / exploration rounds
-            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
-            self._backoff = min(self._backoff * 2, cap)
+            self._plain_left = self.backoff.lost()
         else:
-            self._backoff = 1
+            self.backoff.won()
 
     def _calibrate(self, tree: TokenTree, path: list[int], draft: Draft) -> None:
         """Every verified node whose parent was accepted is a sample of P(accepted | parent accepted)."""

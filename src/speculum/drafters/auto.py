@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from speculum.controller import Goodput, by_batch_size
+from speculum.controller import Backoff, Goodput, by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -112,15 +112,13 @@ class ModelGate:
     model runs batched, so its cost is the group's, not a row's), and each row is a sample."""
 
     def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03, exploration: float = 0.015):
-        self.max_backoff = max_backoff
         self.refresh = refresh
         self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
-        self.exploration = exploration
         self.with_model, self.without_model = Goodput(), Goodput()
-        self._backoff, self._skip, self._probe = 1, 0, False
+        self.backoff = Backoff(max_backoff, exploration)  # its losses: rounds without the model each lost
+        self._skip, self._probe = 0, False
         self._refreshing = False  # the rounds skipped are a refresh of the other side, not a back-off
         self._since_refresh = 0
-        self._losses: list[float] = []  # rounds without the model each recent round with it lost
         self._pending: dict[bool, list[float]] = {}  # used -> [tokens, seconds, rows] of the round so far
 
     def copied(self) -> ModelGate:
@@ -157,18 +155,15 @@ class ModelGate:
         self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
         cheap = self.without_model.rate
         if cheap is not None:  # rounds without the model this one round lost, per row
-            recent = [] if self._probe else self._losses
-            self._losses = (recent + [seconds * cheap - tokens])[-self.with_model.min_evidence :]
+            self.backoff.note(seconds * cheap - tokens, self._probe, self.with_model.min_evidence)
         self._probe = False
         if not self.with_model.judged:
             return
         if cheap is not None and self.with_model.rate < cheap * (1.0 + self.margin):
-            self._skip, self._refreshing = self._backoff, False
-            cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self._losses) / self.exploration)))
-            self._backoff = min(2 * self._backoff, cap)
+            self._skip, self._refreshing = self.backoff.lost(), False
             self._since_refresh = 0
             return
-        self._backoff = 1
+        self.backoff.won()
         self._since_refresh += 1
         if cheap is None or self._since_refresh >= self.refresh:
             # one round without them: measure that side (again)
