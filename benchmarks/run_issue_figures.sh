@@ -217,3 +217,18 @@ python benchmarks/server_load.py $QS --draft qwen2.5-coder-0.5b --methods auto -
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k \
     --limit 5 --max-new-tokens 64 --methods "autoregressive,ouroboros,ouroboros:controller=false" \
     --out $OUT/i18/qwen-ouro-third-pass  # summary.md: benchmarks/results/issue18-qwen-ouroboros-*.md
+# ---- issue #20: data for heads on the Qwen2.5-Coder 1.5B (its own continuations, 720 prompts x 256 tokens), then
+# short training probes (16,000 examples, one epoch) compared by exact replay on the tuning prompts (mbpp[:6])
+I20=$OUT/i20
+TEXTS="mbpp[100:400],gsm8k[100:350],wmt16[100:200],mt_bench[20:]"  # no report prompt (first 20 per set), no tuning prompt (mbpp[:100])
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out $I20/qwen-ctc --texts "$TEXTS" --generate 256 --threads 2 \
+    --epochs 2 --max-examples 120000    # resumable: rerun the same command after an interruption
+probe() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/probe-$2 --texts "$TEXTS" --generate 256 --threads 2 \
+    --epochs 1 --max-examples 16000 --precision bfloat16 --data $I20/qwen-ctc/distill_data.safetensors "${@:3}"; }
+probe ctc-drafter float32 --precision float32
+probe ctc-drafter lr3e-4 --lr 3e-4
+probe ctc-drafter std --standardize
+probe ctc-drafter std-lr3e-4 --standardize --lr 3e-4
+probe medusa medusa
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp --skip 0 --limit 6 --max-new-tokens 64 \
+    --batch 6 --threads 2 --methods "ctc:heads=$I20/qwen-ctc;ctc:heads=$I20/probe-float32;ctc:heads=$I20/probe-lr3e-4;ctc:heads=$I20/probe-std;ctc:heads=$I20/probe-std-lr3e-4;medusa:heads=$I20/probe-medusa;anpd"

@@ -267,10 +267,12 @@ def _toy_texts(tmp_path):
     return str(path), motifs
 
 
-@pytest.mark.parametrize("kind,precision", [("medusa", "float32"), ("ctc", "float32"), ("ctc", "bfloat16")])
-def test_training_lowers_validation_loss_and_resumes(kind, precision, speculum_llama, tmp_path):
+@pytest.mark.parametrize(
+    "kind,precision,standardize", [("medusa", "float32", False), ("ctc", "float32", False), ("ctc", "bfloat16", True)]
+)
+def test_training_lowers_validation_loss_and_resumes(kind, precision, standardize, speculum_llama, tmp_path):
     """Trains in float32 or in bfloat16 mixed precision (the forward autocast, as ``precision="auto"``
-    does on a CPU with native bf16)."""
+    does on a CPU with native bf16); the CTC module with its memory standardised too."""
     from speculum.training import draft_heads
     from speculum.training.texts import training_texts
 
@@ -280,7 +282,8 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, speculum_l
     # a random model does not write the motifs, so every label counts here (not only those on its own path)
     settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
                                         epochs=6, lr=1e-2, batch_size=32, val_fraction=0.2,
-                                        consistent=False, precision=precision)  # fmt: skip
+                                        consistent=False, precision=precision,
+                                        standardize=standardize)  # fmt: skip
     data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
     examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
     vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
@@ -297,6 +300,8 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, speculum_l
     config = json.loads((out / "config.json").read_text())
     assert config["kind"] == kind and config["training"]["history"] == history
     assert config["training"]["precision"] == precision
+    if standardize:  # the statistics were measured and saved
+        assert not torch.equal(module.hidden_std, torch.ones_like(module.hidden_std))
     if kind == "medusa":
         assert len(config["inference"]["topk_accuracy"]) == 3
     # resume: one more epoch from the checkpoint, the earlier epochs' metrics kept
@@ -533,6 +538,35 @@ def test_the_shipped_heads_are_intact():
         module = load_draft_head(directory, config["kind"])
         assert config["model_fingerprint"] and len(module.projection.draft_vocab) > 1000
         assert config["training"]["history"], "shipped heads record how they were trained"
+
+
+def test_the_ctc_module_standardises_the_targets_hidden_states(llama, tmp_path):
+    """The memory is standardised per dimension with the target's own statistics and the output
+    mapped back before the frozen LM head; they travel in the checkpoint. A checkpoint from before
+    them (no such buffers) loads as the identity: it drafts what it drafted."""
+    from speculum.heads import FORMAT, VERSION, WEIGHTS, CTCDraftModule, load_draft_head, save_draft_head
+    from speculum.heads.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    hidden = llama.config.hidden_size
+    module = CTCDraftModule(hidden, torch.arange(VOCAB), 6, 3, 4, 2).eval()
+    states = torch.randn(500, hidden) * torch.linspace(0.5, 40.0, hidden) + 3.0  # outlier dimensions
+    module.standardize_on(states)
+    assert torch.allclose(module.hidden_mean, states.mean(0)) and torch.allclose(module.hidden_std, states.std(0))
+    save_draft_head(module, tmp_path / "new", llama)
+    assert torch.equal(load_draft_head(tmp_path / "new", "ctc", llama).hidden_std, module.hidden_std)
+    config, tensors = load_checkpoint(tmp_path / "new", WEIGHTS, FORMAT, VERSION, "draft-head")
+    config.pop("weights_sha256")
+    older = {name: tensor for name, tensor in tensors.items() if not name.startswith("hidden_")}
+    save_checkpoint(tmp_path / "old", WEIGHTS, older, config)
+    before = load_draft_head(tmp_path / "old", "ctc", llama)
+    assert torch.equal(before.hidden_mean, torch.zeros(hidden)) and torch.equal(before.hidden_std, torch.ones(hidden))
+    memory, root = states[:8].reshape(2, 4, hidden), torch.randn(2, hidden)
+    with torch.no_grad():
+        module.hidden_mean.zero_()
+        module.hidden_std.fill_(1.0)
+        module.projection.attach(llama.get_output_embeddings().weight)
+        assert torch.allclose(before(memory, root), module(memory, root), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "ctc"])

@@ -205,7 +205,7 @@ def trained_heads(tmp_path_factory):
     from speculum.training import draft_heads
     from speculum.training.texts import TrainingText
 
-    # one thread: what a few epochs of training give must not depend on the machine's thread count
+    # one thread, float32: what a few epochs of training give must not depend on the machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, tokenizer = tiny_model("llama", vocab_size=16), word_tokenizer()
@@ -216,7 +216,7 @@ def trained_heads(tmp_path_factory):
     paths = {}
     for kind in ("medusa", "ctc"):
         shape = dict(num_heads=3, slots=6, label_length=3, context=4, draft_vocab=16)
-        training = dict(epochs=8, lr=1e-2, batch_size=32, val_fraction=0.1, consistent=False)
+        training = dict(epochs=8, lr=1e-2, batch_size=32, val_fraction=0.1, consistent=False, precision="float32")
         settings = draft_heads.HeadSettings(kind, **shape, **training)
         out = tmp_path_factory.mktemp(kind)
         spec = speculum.Speculum(model, tokenizer)

@@ -69,6 +69,8 @@ def load_draft_head(directory: str | os.PathLike[str], kind: str, target: nn.Mod
         check_model(config, target, f"{kind} checkpoint", where)
     try:
         module = KINDS[kind](**config["shape"], draft_vocab=state["projection.draft_vocab"])
+        for name in getattr(module, "OPTIONAL_BUFFERS", ()):  # checkpoints from before they existed: the defaults
+            state.setdefault(name, module.state_dict()[name])
         module.load_state_dict(state)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{kind} checkpoint {where!r} does not fit its config: {exc}") from None

@@ -25,6 +25,8 @@ from speculum.heads.projection import DraftVocabProjection
 
 
 class CTCDraftModule(nn.Module):
+    OPTIONAL_BUFFERS = ("hidden_mean", "hidden_std")  # identity (0, 1) in checkpoints made before them
+
     def __init__(
         self,
         hidden_size: int,
@@ -47,6 +49,10 @@ class CTCDraftModule(nn.Module):
         self.context = context
         self.num_attention_heads = heads
         self.ffn_size = ffn_size or 2 * hidden_size
+        # the target's hidden states per dimension (mean, spread), measured on the training data: the
+        # memory is standardised with them and the output mapped back onto them for the LM head
+        self.register_buffer("hidden_mean", torch.zeros(hidden_size))
+        self.register_buffer("hidden_std", torch.ones(hidden_size))
         self.norm_memory = nn.LayerNorm(hidden_size)
         self.norm_token = nn.LayerNorm(hidden_size)
         self.memory_position = nn.Parameter(torch.randn(context, hidden_size) * 0.02)  # last row: t-1
@@ -68,6 +74,13 @@ class CTCDraftModule(nn.Module):
         names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size")
         return {name: getattr(self, name) for name in names}
 
+    @torch.no_grad()
+    def standardize_on(self, hidden: torch.Tensor) -> None:
+        """Measure the target's hidden states' per-dimension mean and spread (``hidden [N, H]``)."""
+        hidden = hidden.float()
+        self.hidden_mean.copy_(hidden.mean(dim=0))
+        self.hidden_std.copy_(hidden.std(dim=0).clamp(min=1e-3))
+
     @property
     def blank_index(self) -> int:
         """The blank's index in the output (after the draft vocabulary's)."""
@@ -81,11 +94,12 @@ class CTCDraftModule(nn.Module):
         logits ``[B, slots, len(draft_vocab) + 1]``, the blank last."""
         dtype = self.fuse.weight.dtype
         width = memory.shape[1]
-        memory = self.norm_memory(memory.to(dtype)) + self.memory_position[self.context - width :]
+        memory = (memory.to(dtype) - self.hidden_mean) / self.hidden_std
+        memory = self.norm_memory(memory) + self.memory_position[self.context - width :]
         base = self.fuse(torch.cat([memory[:, -1], self.norm_token(root_embedding.to(dtype))], dim=-1))
         queries = base[:, None, :] + self.slot_embedding
         keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
         if padding is not None:
             padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)
         x = self.norm_out(self.layer(queries, keys, memory_key_padding_mask=padding))
-        return torch.cat([self.projection(x), self.blank(x)], dim=-1)
+        return torch.cat([self.projection(x * self.hidden_std + self.hidden_mean), self.blank(x)], dim=-1)

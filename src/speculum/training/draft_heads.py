@@ -242,6 +242,9 @@ class HeadSettings:
     # the training arithmetic: "bfloat16" autocasts the forward (weights and optimizer stay float32);
     # "auto" does where the device computes bf16 natively (2.4x faster on an avx512_bf16 CPU)
     precision: str = "auto"
+    # ctc: standardise the memory per dimension with the target's hidden-state statistics (and map
+    # the output back); an experiment (issue #20 probes on the Qwen 1.5B), off by default
+    standardize: bool = False
 
     @property
     def span(self) -> int:
@@ -441,6 +444,9 @@ def train(
     draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab, training_rows)
     torch.manual_seed(settings.seed)
     module = build_module(settings, data["hidden"].shape[1], draft_vocab)
+    if settings.kind == "ctc" and settings.standardize:
+        pick = torch.randperm(len(train_roots), generator=torch.Generator().manual_seed(settings.seed))[:8192]
+        module.standardize_on(data["hidden"][train_roots[pick]])
     if len(train_roots) == 0:
         raise InvalidInputError("no training examples: give more (or longer) texts")
     per_epoch = min(len(train_roots), settings.max_examples or len(train_roots))
