@@ -95,6 +95,17 @@ def side_by_side(runner, states: list[DraftModelState]) -> Iterator[tuple[object
         state.cache = row_cache
 
 
+def begin_rows(drafters: list, ctxs: list[DraftContext]) -> tuple[list, list[int], list[Draft | None] | None]:
+    """Each row's round begun (its drafter's ``_begin``), the rows that draft, and, when fewer than
+    two do (nothing to batch), every row's draft made alone (else None). Shared by the drafters
+    whose rows run their draft forwards together (draft_model, ouroboros)."""
+    rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
+    live = [i for i, r in enumerate(rounds) if r is not None]
+    if len(live) >= 2:
+        return rounds, live, None
+    return rounds, live, [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+
+
 class DraftRound:
     """One round of drafting for one request: the tokens drafted so far and when to stop, whether
     the draft model's forwards run for this request alone (``propose``) or for a batch of them
@@ -216,10 +227,9 @@ class DraftModelDrafter(Drafter):
         caches sit side by side for the round (the target's batch layout, ``cache.join``), each
         row feeds its catch-up tokens then its drafted tokens, a row whose round has ended rides
         along with a node whose keys are dropped, and the caches are split back at the end."""
-        rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
-        live = [i for i, r in enumerate(rounds) if r is not None]
-        if len(live) < 2:  # nothing to batch
-            return [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+        rounds, live, alone = begin_rows(drafters, ctxs)
+        if alone is not None:
+            return alone
         runner = drafters[live[0]].runner
         needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
         feeds = [rounds[i].catch_up() for i in live]

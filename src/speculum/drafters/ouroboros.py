@@ -58,7 +58,7 @@ from speculum.drafters.base import (
     check_tree_size,
     token_probability,
 )
-from speculum.drafters.draft_model import DraftModelState, side_by_side
+from speculum.drafters.draft_model import DraftModelState, begin_rows, side_by_side
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
@@ -227,10 +227,9 @@ class OuroborosDrafter(Drafter):
         ``DraftModelDrafter.propose_rows``: the rows' draft caches side by side for the round; a row
         whose round has ended rides along with a node whose keys are dropped). Each row drafts
         what it drafts alone: its tree, its window and its pool are its own."""
-        rounds = [d._begin(ctx) for d, ctx in zip(drafters, ctxs, strict=True)]
-        live = [i for i, r in enumerate(rounds) if r is not None]
-        if len(live) < 2:  # nothing to batch
-            return [drafters[i]._draft_alone(rounds[i]) if i in live else None for i in range(len(drafters))]
+        rounds, live, alone = begin_rows(drafters, ctxs)
+        if alone is not None:
+            return alone
         runner = drafters[live[0]].runner
         needs_hidden = any(drafters[i].policy.needs_hidden for i in live)
         with side_by_side(runner, [drafters[i].state for i in live]) as (cache, lengths):
