@@ -225,10 +225,20 @@ speculum train ctc-drafter --model qwen2.5-coder-1.5b --out $I20/qwen-ctc --text
     --epochs 2 --max-examples 120000    # resumable: rerun the same command after an interruption
 probe() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/probe-$2 --texts "$TEXTS" --generate 256 --threads 2 \
     --epochs 1 --max-examples 16000 --precision bfloat16 --data $I20/qwen-ctc/distill_data.safetensors "${@:3}"; }
-probe ctc-drafter float32 --precision float32
-probe ctc-drafter lr3e-4 --lr 3e-4
-probe ctc-drafter std --standardize
-probe ctc-drafter std-lr3e-4 --standardize --lr 3e-4
+# (the first pass's probes: the module without per-slot blocks)
+probe ctc-drafter float32 --precision float32 --no-slot-blocks
+probe ctc-drafter lr3e-4 --lr 3e-4 --no-slot-blocks
+probe ctc-drafter std --standardize --no-slot-blocks
+probe ctc-drafter std-lr3e-4 --standardize --lr 3e-4 --no-slot-blocks
 probe medusa medusa
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp --skip 0 --limit 6 --max-new-tokens 64 \
     --batch 6 --threads 2 --methods "ctc:heads=$I20/qwen-ctc;ctc:heads=$I20/probe-float32;ctc:heads=$I20/probe-lr3e-4;ctc:heads=$I20/probe-std;ctc:heads=$I20/probe-std-lr3e-4;medusa:heads=$I20/probe-medusa;anpd"
+# second pass: every slot its own residual block (now the default), and trees of the likeliest prefixes (tree=prefix)
+probe ctc-drafter slots --standardize --lr 3e-4
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp --skip 0 --limit 6 --max-new-tokens 64 \
+    --batch 6 --threads 2 --methods "ctc:heads=$I20/probe-slots;ctc:heads=$I20/probe-slots,tree=prefix;ctc:heads=$I20/probe-slots,tree=prefix,top_k=8;ctc:heads=$I20/probe-std-lr3e-4,tree=prefix"
+# the full heads: 2 epochs x 72,000 examples each, on the same data
+full() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/full-$2 --texts "$TEXTS" --generate 256 --threads 2 \
+    --epochs 2 --max-examples 72000 --data $I20/qwen-ctc/distill_data.safetensors "${@:3}"; }
+full medusa medusa
+full ctc-drafter ctc --standardize --lr 3e-4

@@ -106,6 +106,9 @@ def save_random_heads(kind: str, target, path, seed: int = 0, **shape):
         for p in module.parameters():
             torch.nn.init.normal_(p, std=0.5)
     else:
-        module = CTCDraftModule(hidden, vocab, shape.get("slots", 6), shape.get("label_length", 3), 4, 2)
+        module = CTCDraftModule(hidden, vocab, shape.get("slots", 6), shape.get("label_length", 3), 4, 2,
+                                slot_blocks=shape.get("slot_blocks", False))  # fmt: skip
+        if module.slot_blocks:  # (they start at zero)
+            torch.nn.init.normal_(module.slot_weight, std=0.2)
     save_draft_head(module, path, target)
     return str(path)

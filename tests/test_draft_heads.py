@@ -4,11 +4,12 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speculum.drafters.ctc import best_alignments, ctc_collapse, cut_at_eos
+from speculum.drafters.ctc import best_alignments, ctc_collapse, cut_at_eos, prefix_search
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import load_draft_head
 from speculum.heads.checkpoint import model_fingerprint
@@ -104,6 +105,58 @@ def test_best_alignments_are_the_top_products_in_order():
     assert all(math.isclose(x, y) for (x, _), (y, _) in zip(best, brute, strict=True))
 
 
+def _prefix_masses(probs: np.ndarray, blank: int) -> dict[tuple[int, ...], float]:
+    """Brute force: every alignment's probability added to each prefix of its collapsed output."""
+    mass: dict[tuple[int, ...], float] = {}
+    for alignment in itertools.product(range(probs.shape[1]), repeat=len(probs)):
+        p = math.prod(probs[t, a] for t, a in enumerate(alignment))
+        out = tuple(ctc_collapse(list(alignment), blank))
+        for n in range(1, len(out) + 1):
+            mass[out[:n]] = mass.get(out[:n], 0.0) + p
+    return mass
+
+
+def _paths(chosen):
+    paths: list[tuple[int, ...]] = []
+    for parent, token, _ in chosen:
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_search_finds_the_likeliest_prefixes_over_every_alignment(seed):
+    """Each prefix's probability is the chance the collapsed output starts with it, summed over
+    every alignment (repeats merged, a blank between equal tokens keeping both), and the nodes
+    chosen are the likeliest ones, parents first."""
+    rng = np.random.default_rng(seed)
+    frames, blank = 5, 3
+    probs = rng.dirichlet(np.full(4, 0.5), size=frames)  # tokens 0..2 and the blank
+    mass = _prefix_masses(probs, blank)
+    chosen = prefix_search(probs, blank, np.arange(3), nodes=25, max_depth=frames)
+    paths = _paths(chosen)
+    assert len(set(paths)) == 25
+    for path, (parent, _, p) in zip(paths, chosen, strict=True):
+        assert math.isclose(p, mass[path], rel_tol=1e-9), path
+        assert parent < 0 or paths[parent] == path[:-1]
+    assert np.allclose(sorted((p for *_, p in chosen), reverse=True), sorted(mass.values(), reverse=True)[:25])
+    # depth and candidates bound it; width 1 is the greedy chain of likeliest children
+    assert max(len(p) for p in _paths(prefix_search(probs, blank, np.arange(3), nodes=25, max_depth=2))) == 2
+    assert {p[0] for p in _paths(prefix_search(probs, blank, np.array([0, 2]), nodes=25, max_depth=3))} <= {0, 2}
+    chain = _paths(prefix_search(probs, blank, np.arange(3), nodes=4, max_depth=4, width=1))
+    for n, path in enumerate(chain):
+        assert len(path) == n + 1
+        children = {k: v for k, v in mass.items() if len(k) == n + 1 and k[:n] == path[:n]}
+        assert mass[path] == max(children.values())
+
+
+def test_prefix_search_does_not_extend_a_stop_token():
+    probs = np.array([[0.9, 0.05, 0.05], [0.05, 0.9, 0.05], [0.05, 0.9, 0.05]])  # token 0, token 1, blank 2
+    paths = _paths(prefix_search(probs, 2, np.array([0, 1]), nodes=6, max_depth=3))
+    assert (0, 1) in paths
+    paths = _paths(prefix_search(probs, 2, np.array([0, 1]), nodes=6, max_depth=3, stop=frozenset({0})))
+    assert (0,) in paths and not any(len(p) > 1 and p[0] == 0 for p in paths)
+
+
 def test_sparse_tree_is_prefix_closed_and_follows_expected_acceptance():
     accuracy = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
     tree = sparse_tree(accuracy, 6)
@@ -124,9 +177,9 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("kind", ["medusa", "ctc"])
-def test_checkpoint_round_trip(kind, llama, tmp_path):
-    path = save_random_heads(kind, llama, tmp_path / kind)
+@pytest.mark.parametrize("kind,slot_blocks", [("medusa", False), ("ctc", False), ("ctc", True)])
+def test_checkpoint_round_trip(kind, slot_blocks, llama, tmp_path):
+    path = save_random_heads(kind, llama, tmp_path / kind, slot_blocks=slot_blocks)
     loaded = load_draft_head(path, kind, llama)
     again = load_draft_head(path, kind, llama)
     for (name, a), b in zip(loaded.state_dict().items(), again.state_dict().values(), strict=True):
@@ -136,7 +189,7 @@ def test_checkpoint_round_trip(kind, llama, tmp_path):
         assert loaded(hidden[:, -1]).shape == (1, 3, VOCAB)
     else:
         assert loaded(hidden, torch.randn(1, llama.config.hidden_size)).shape == (1, 6, VOCAB + 1)
-        assert loaded.blank_index == VOCAB
+        assert loaded.blank_index == VOCAB and loaded.slot_blocks == slot_blocks
     # the projection is the target's own LM head
     assert torch.equal(loaded.projection.weight, llama.get_output_embeddings().weight.float())
 
@@ -196,6 +249,7 @@ def arch(request, tmp_path_factory):
     model = tiny_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     heads = {kind: save_random_heads(kind, model, path / kind) for kind in ("medusa", "ctc")}
+    heads["ctc-slots"] = save_random_heads("ctc", model, path / "ctc-slots", slot_blocks=True)
     prompts = [repetitive_prompt(24, 5, 0), repetitive_prompt(9, 4, 2), [5]]
     return model, heads, prompts, [reference_greedy(model, p, NEW) for p in prompts]
 
@@ -209,10 +263,14 @@ def arch(request, tmp_path_factory):
         ("ctc", {}),
         ("ctc", {"ctc_transform": False, "tree_nodes": 8}),
         ("ctc", {"tree": "mass", "tree_nodes": 12}),
+        ("ctc", {"tree": "prefix", "tree_nodes": 12}),
+        ("ctc", {"tree": "prefix", "top_k": 2, "tree_nodes": 20, "slot_blocks": True}),
     ],
 )
 def test_greedy_output_equals_plain_decoding(arch, kind, params):
     model, heads, prompts, refs = arch
+    if params.pop("slot_blocks", False):
+        heads = {kind: heads["ctc-slots"]}
     drafter = build_drafter(kind, target=model, heads=heads[kind], **params)
     drafted = 0
     for prompt, ref in zip(prompts, refs, strict=True):

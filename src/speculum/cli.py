@@ -571,6 +571,10 @@ def train_ctc_drafter(
         bool,
         typer.Option(help="Standardise the memory per dimension with the target's hidden-state statistics."),
     ] = False,
+    slot_blocks: Annotated[
+        bool,
+        typer.Option(help="Give every slot its own residual block over the fused state (as a Medusa head has)."),
+    ] = True,
 ) -> None:
     """Train CTC-drafter's attention draft module (one transformer layer, CTC loss) on the frozen target."""
     from speculum.training.draft_heads import DistillSettings, HeadSettings
@@ -578,7 +582,7 @@ def train_ctc_drafter(
     settings = HeadSettings(
         "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
-        consistent=consistent, precision=precision, standardize=standardize,
+        consistent=consistent, precision=precision, standardize=standardize, slot_blocks=slot_blocks,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
     data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)

@@ -65,9 +65,9 @@ SEARCH_SPACES: dict[str, list[tuple[str, list[Any]]]] = {
     ],
     "ctc": [
         ("tree_nodes", [4, 8, 12, 16, 24, 32, 48]),
-        ("top_k", [2, 3, 4]),
+        ("top_k", [2, 3, 4, 8]),
         ("candidates", [16, 32, 48, 96]),
-        ("tree", ["first", "mass"]),
+        ("tree", ["first", "mass", "prefix"]),
     ],
     "anpd": [
         ("num_speculative_tokens", [3, 5, 7, 10]),

@@ -10,6 +10,9 @@ most ``tree_nodes`` nodes: shared prefixes share nodes, and a node's depth in th
 sequence gives its position id (the released code keeps the uncollapsed positions, one off after a
 merge, and reads the bonus token from a masked node; both break exactness). The shared verifier
 then accepts the longest matching path plus the target's own next token, greedy or sampled.
+``tree="prefix"`` builds the trie from output prefixes instead, each scored by the probability of
+every alignment that collapses to something starting with it (:func:`prefix_search`): a
+half-trained module spreads a token over several frames, and no single alignment then carries it.
 
 ``ctc_transform=False`` (ablation) drafts the frames' best non-blank tokens as they are.
 """
@@ -17,10 +20,12 @@ then accepts the longest matching path plus the target's own next token, greedy 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
@@ -69,6 +74,60 @@ def best_alignments(scores: list[list[float]], count: int) -> list[tuple[float, 
     return best
 
 
+def prefix_search(
+    probs: np.ndarray, blank: int, candidates: np.ndarray, nodes: int, max_depth: int,
+    stop: frozenset[int] = frozenset(), width: int | None = None,
+) -> list[tuple[int, int, float]]:  # fmt: skip
+    """The ``nodes`` output prefixes most likely under the frames' distributions ``probs [T, V+1]``,
+    best first, as ``(parent's index or -1, token, probability)``. A prefix's probability is the
+    chance that the collapsed output *starts with* it, summed exactly over every alignment (CTC
+    prefix scoring: the forward algorithm over the frames), so the nodes chosen are the tree with
+    the largest expected accepted length the module can promise. Enumerating the best alignments
+    instead misses most of that mass when the frames hesitate between a token and the blank.
+    A prefix is never likelier than its parent, so parents come first. ``candidates``: the tokens
+    a prefix may be extended with; ``stop``: tokens never extended (end of sequence); ``width``:
+    children kept per prefix (1: the greedy chain)."""
+    frames = len(probs)
+    emit, blank_prob = probs[:, candidates], probs[:, blank]
+    chosen: list[tuple[int, int, float]] = []
+    depth: list[int] = []
+    heap: list[tuple[float, int, int, int, np.ndarray]] = []  # (-probability, tie, parent, candidate, first)
+    ties = itertools.count()
+
+    def extend(parent: int, ends_blank: np.ndarray, ends_token: np.ndarray, last: int | None, level: int) -> None:
+        """Push the likeliest children of a prefix (``ends_*[t]``: frames 0..t collapse to it and
+        frame t is a blank / its last token)."""
+        if level >= max_depth:
+            return
+        start = [1.0 if level == 0 else 0.0]
+        before = np.concatenate([start, (ends_blank + ends_token)[:-1]])  # frames 0..t-1 give the prefix
+        previous = np.repeat(before[:, None], len(candidates), axis=1)
+        if last is not None:  # a repeat of the last token is a new token only after a blank
+            previous[:, candidates == last] = np.concatenate([start, ends_blank[:-1]])[:, None]
+        first = previous * emit  # [T, K]: the candidate emitted first at frame t
+        likelihood = first.sum(axis=0)
+        for k in np.argsort(-likelihood)[: min(width or nodes, nodes - len(chosen))]:
+            if likelihood[k] <= 0.0:
+                break
+            heapq.heappush(heap, (-float(likelihood[k]), next(ties), parent, int(k), first[:, k]))
+
+    extend(-1, np.cumprod(blank_prob), np.zeros(frames), None, 0)
+    while heap and len(chosen) < nodes:
+        negative, _, parent, k, first = heapq.heappop(heap)
+        token = int(candidates[k])
+        chosen.append((parent, token, -negative))
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+        if token in stop:
+            continue
+        ends_blank, ends_token = np.empty(frames), np.empty(frames)
+        run = gap = 0.0
+        for t in range(frames):  # the forward recursion of the new prefix
+            run, gap = run * emit[t, k] + first[t], (gap + run) * blank_prob[t]
+            ends_token[t], ends_blank[t] = run, gap
+        extend(len(chosen) - 1, ends_blank, ends_token, token, depth[-1])
+    return chosen
+
+
 @dataclass
 class Options:
     heads: str | None = None  # checkpoint directory (speculum train ctc-drafter); None: the one shipped for the model
@@ -83,8 +142,8 @@ class Options:
 
     def __post_init__(self) -> None:
         check_options("ctc", self, {"top_k": 1, "candidates": 1}, ("ctc_transform",), path="heads")
-        if self.tree not in ("first", "mass"):
-            raise InvalidInputError(f"ctc: tree must be 'first' or 'mass', got {self.tree!r}")
+        if self.tree not in ("first", "mass", "prefix"):
+            raise InvalidInputError(f"ctc: tree must be 'first', 'mass' or 'prefix', got {self.tree!r}")
         if self.tree_nodes is not None:
             check_options("ctc", self, {"tree_nodes": 1})
             check_tree_size("ctc", self.tree_nodes, "tree_nodes")
@@ -115,6 +174,10 @@ class CTCDrafter(HeadDrafter):
             logprobs[:, blank] = float("-inf")
         top = logprobs.topk(min(self.options.top_k, logprobs.shape[-1]), dim=-1)
         started = time.perf_counter()
+        if self.options.tree == "prefix" and self.options.ctc_transform:
+            draft = self.prefix_draft(logprobs, top.indices, ctx)
+            self.time_tree += time.perf_counter() - started
+            return draft if len(draft) else None
         scores, frames = top.values.tolist(), top.indices.tolist()
         vocab = self.module.projection.draft_vocab.tolist()
         paths, weights = [], []
@@ -130,3 +193,19 @@ class CTCDrafter(HeadDrafter):
         )
         self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None
+
+    def prefix_draft(self, logprobs: torch.Tensor, top: torch.Tensor, ctx: DraftContext) -> Draft:
+        """The tree of the likeliest output prefixes (:func:`prefix_search`), extended with every
+        frame's ``top_k`` tokens; a node's score is its probability given its parent's."""
+        blank = self.module.blank_index
+        candidates = top.flatten().unique()
+        candidates = candidates[candidates != blank].cpu().numpy()
+        vocab = self.module.projection.draft_vocab
+        ids = vocab[torch.from_numpy(candidates).to(vocab.device)].tolist()
+        stop = frozenset(int(c) for c, token in zip(candidates, ids, strict=True) if token in ctx.eos_token_ids)
+        chosen = prefix_search(logprobs.double().exp().cpu().numpy(), blank, candidates, self.tree_nodes,
+                               ctx.max_depth, stop)  # fmt: skip
+        tokens = vocab[[token for _, token, _ in chosen]].tolist()
+        parents = [parent for parent, _, _ in chosen]
+        scores = [p / (1.0 if parent < 0 else chosen[parent][2]) for parent, _, p in chosen]
+        return Draft(tokens, parents, scores=[min(1.0, s) for s in scores])

@@ -4,7 +4,10 @@ ONE transformer layer predicts ``slots`` future frames at once (non-autoregressi
 code drafts a greedy chain instead). Its inputs are what the loop has when a step begins: the
 target's last hidden states over the recent context (``memory``, the last one at position t-1)
 and the embedding of the root token (the target's own token at t, already committed). Each slot
-query is the fused (hidden state at t-1, root embedding) plus a learned slot embedding; the layer
+query is the fused (hidden state at t-1, root embedding) plus a learned slot embedding (and, with
+``slot_blocks``, the slot's own residual block over the fused state, as a Medusa head has: on the
+Qwen2.5-Coder 1.5B the slots otherwise stay near copies of each other, and the frames' distributions
+with them, and the module hardly learns; issue #20); the layer
 lets the slots attend to each other (no causal mask: they are predicted together) and to the
 memory. Each frame's output goes through the target's frozen LM head over the draft vocabulary
 (:mod:`speculum.heads.projection`) plus one extra logit: the CTC blank, a symbol of its own that
@@ -36,6 +39,7 @@ class CTCDraftModule(nn.Module):
         context: int = 16,
         num_attention_heads: int | None = None,
         ffn_size: int | None = None,
+        slot_blocks: bool = False,
     ):
         super().__init__()
         if slots < label_length or label_length < 1 or context < 1:
@@ -49,6 +53,7 @@ class CTCDraftModule(nn.Module):
         self.context = context
         self.num_attention_heads = heads
         self.ffn_size = ffn_size or 2 * hidden_size
+        self.slot_blocks = slot_blocks
         # the target's hidden states per dimension (mean, spread), measured on the training data: the
         # memory is standardised with them and the output mapped back onto them for the LM head
         self.register_buffer("hidden_mean", torch.zeros(hidden_size))
@@ -62,16 +67,23 @@ class CTCDraftModule(nn.Module):
             self.fuse.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
             self.fuse.bias.zero_()
         self.slot_embedding = nn.Parameter(torch.randn(slots, hidden_size) * 0.02)
+        if slot_blocks:  # each slot's own residual block over the fused state (zero: start as the identity)
+            self.slot_weight = nn.Parameter(torch.zeros(slots, hidden_size, hidden_size))
+            self.slot_bias = nn.Parameter(torch.zeros(slots, hidden_size))
         self.layer = nn.TransformerDecoderLayer(
             hidden_size, heads, self.ffn_size, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
         )
+        if slot_blocks:  # the layer's branches start at zero too: the module starts as the target's last state
+            for branch in (self.layer.self_attn.out_proj, self.layer.multihead_attn.out_proj, self.layer.linear2):
+                nn.init.zeros_(branch.weight)
+                nn.init.zeros_(branch.bias)
         self.norm_out = nn.LayerNorm(hidden_size)
         self.blank = nn.Linear(hidden_size, 1)
         self.projection = DraftVocabProjection(draft_vocab, hidden_size)
 
     def shape(self) -> dict:
         """Constructor arguments besides the draft vocabulary (saved in the checkpoint's config)."""
-        names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size")
+        names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size", "slot_blocks")
         return {name: getattr(self, name) for name in names}
 
     @torch.no_grad()
@@ -98,6 +110,8 @@ class CTCDraftModule(nn.Module):
         memory = self.norm_memory(memory) + self.memory_position[self.context - width :]
         base = self.fuse(torch.cat([memory[:, -1], self.norm_token(root_embedding.to(dtype))], dim=-1))
         queries = base[:, None, :] + self.slot_embedding
+        if self.slot_blocks:
+            queries = queries + nn.functional.silu(torch.einsum("bh,sgh->bsg", base, self.slot_weight) + self.slot_bias)
         keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
         if padding is not None:
             padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)

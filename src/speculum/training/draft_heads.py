@@ -245,6 +245,9 @@ class HeadSettings:
     # ctc: standardise the memory per dimension with the target's hidden-state statistics (and map
     # the output back); an experiment (issue #20 probes on the Qwen 1.5B), off by default
     standardize: bool = False
+    # ctc: every slot its own residual block over the fused state; without them the slots stay near
+    # copies of each other on the Qwen 1.5B and the module hardly learns (issue #20)
+    slot_blocks: bool = True
 
     @property
     def span(self) -> int:
@@ -337,7 +340,8 @@ def targets_of(module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def build_module(settings: HeadSettings, hidden_size: int, draft_vocab: torch.Tensor):
     if settings.kind == "medusa":
         return MedusaHeads(hidden_size, settings.num_heads, draft_vocab, settings.num_layers)
-    return CTCDraftModule(hidden_size, draft_vocab, settings.slots, settings.label_length, settings.context)
+    return CTCDraftModule(hidden_size, draft_vocab, settings.slots, settings.label_length, settings.context,
+                          slot_blocks=settings.slot_blocks)  # fmt: skip
 
 
 def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
