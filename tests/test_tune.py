@@ -101,6 +101,22 @@ def test_tune_keeps_fixed_params_and_never_chooses_worse_than_the_start(spec):
     SpeculativeConfig.coerce("draft_model", **result.params)  # a valid configuration
 
 
+def test_a_sweep_moves_to_the_best_value_not_the_first_that_clears_the_bar():
+    from types import SimpleNamespace
+
+    from speculum.tune import best_change
+
+    def ev(tps):
+        return SimpleNamespace(tokens_per_second=tps)
+
+    start = ev(8.5)
+    # "mass" clears the 5% bar first; "prefix" is better still, though within 5% of "mass"
+    tried = [("mass", ev(8.95)), ("prefix", ev(9.31)), ("first", ev(8.0))]
+    assert best_change(start, tried, 0.05)[0] == "prefix"
+    assert best_change(start, [("mass", ev(8.7))], 0.05) is None  # within the bar: no change
+    assert best_change(start, [], 0.05) is None
+
+
 def test_tune_refuses_what_it_cannot_do(spec, model_dir):
     ids = [spec.encode_prompt(PROMPTS[0])]
     with pytest.raises(InvalidInputError, match="supports"):

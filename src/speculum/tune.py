@@ -226,6 +226,16 @@ class ReplayScorer:
         return ev
 
 
+def best_change(best: Evaluation, tried: list[tuple[Any, Evaluation]], min_gain: float):
+    """The value of one parameter to move to, with its evaluation, or None: the best of ``tried``
+    when it predicts at least ``min_gain`` (relative) more tokens/s than ``best``. Every value is
+    compared, not the first to clear the bar: that made the choice depend on the values' order."""
+    if not tried:
+        return None
+    value, ev = max(tried, key=lambda pair: pair[1].tokens_per_second)
+    return (value, ev) if ev.tokens_per_second > best.tokens_per_second * (1 + min_gain) else None
+
+
 def tune(
     spec,
     method: str,
@@ -277,14 +287,17 @@ def tune(
         log(f"sweep {sweep + 1}")
         changed = False
         for name, values in space:
+            tried = []
             for value in values:
                 if value == current[name]:
                     continue
                 ev = scorer.score({**current, name: value})
                 if ev is None or ev.trajectory == best.trajectory:
                     continue  # refused, or no change in what the drafter does (e.g. W with phrase drafting off)
-                if ev.tokens_per_second > best.tokens_per_second * (1 + min_gain):
-                    current, best, changed = {**current, name: value}, ev, True
+                tried.append((value, ev))
+            change = best_change(best, tried, min_gain)
+            if change is not None:
+                current, best, changed = {**current, name: change[0]}, change[1], True
         if not changed:
             break
 
