@@ -242,3 +242,20 @@ full() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/full-$2 --texts
     --epochs 2 --max-examples 72000 --data $I20/qwen-ctc/distill_data.safetensors "${@:3}"; }
 full medusa medusa
 full ctc-drafter ctc --standardize --lr 3e-4
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset humaneval,gsm8k,mt_bench,wmt16 --skip 0 --limit 20 \
+    --max-new-tokens 128 --batch 16 --threads 2 \
+    --methods "medusa:heads=$I20/full-medusa;ctc:heads=$I20/full-ctc;ctc:heads=$I20/full-ctc,tree=prefix;ctc:heads=$I20/full-ctc,tree=prefix,top_k=8;anpd"
+for M in medusa ctc; do  # the tree on the tuning prompts (results/issue20-qwen-tuned-*.json, heads renamed)
+  speculum tune --method $M --model qwen2.5-coder-1.5b --param heads=$I20/full-$M --dataset mbpp --limit 5 \
+      --max-new-tokens 64 --threads 2 --no-confirm --out $I20/tuned-$M.json
+done
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+    --limit 5 --max-new-tokens 64 --out $I20/bench-qwen-64 \
+    --methods "autoregressive,hf_generate,hf_assisted,draft_model,$I20/tuned-medusa.json,$I20/tuned-ctc.json"
+# Gemma 3 270M, the shipped heads: the paper's tree order against tree=prefix, float32 and bfloat16
+python benchmarks/head_acceptance.py --model gemma-3-270m --dataset mbpp --skip 0 --limit 10 --max-new-tokens 64 --threads 2 \
+    --methods "ctc;ctc:tree=prefix;ctc:tree=prefix,top_k=8;medusa"
+for DT in float32 bfloat16; do
+  speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128 \
+      --dtype $DT --out $I20/bench-gemma-$DT --methods "autoregressive,hf_generate,medusa,ctc:tree=first,ctc:tree=prefix"
+done

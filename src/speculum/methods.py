@@ -66,6 +66,9 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "draft_model": {"length_policy": "confidence", "confidence_threshold": 0.8, "num_speculative_tokens": 20},
         # W=N=G=4: a 7x5x7 window and guess set costs more than it returns on CPU verification
         "lookahead": {"window_size": 4, "ngram_size": 4, "guess_set_size": 4},
+        # the likeliest output prefixes: chosen by `speculum tune` for the Qwen 1.5B module (mbpp), and
+        # more accepted tokens for Gemma's shipped module on its tuning prompts (issue #20)
+        "ctc": {"tree": "prefix"},
     },
 }
 
