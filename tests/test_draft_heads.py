@@ -675,3 +675,22 @@ def test_cli_trains_both_kinds_on_one_generated_data_pass(model_dir, tmp_path):
         assert json.loads(output.strip().splitlines()[-1])["token_ids"] == plain
     res = CliRunner().invoke(app, ["train", "medusa", "--model", model_dir, "--out", str(tmp_path), "--texts", "no"])
     assert res.exit_code == 2 and "unknown text source" in res.output
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fast, llama, monkeypatch):
+    """Heads only propose: where bf16 is native the draft vocabulary's rows are kept in bf16 (the
+    output stays in the caller's dtype); elsewhere in float32. Exactness is the tests above'."""
+    from speculum.heads.projection import DraftVocabProjection
+    from speculum.models import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: fast)
+    projection = DraftVocabProjection(torch.arange(VOCAB), llama.config.hidden_size)
+    projection.attach(llama.get_output_embeddings().weight)
+    hidden = torch.randn(3, llama.config.hidden_size)
+    exact = projection(hidden)
+    projection.for_inference()
+    assert projection.weight.dtype == (torch.bfloat16 if fast else torch.float32)
+    logits = projection(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, exact, atol=0.05 * exact.abs().max().item())

@@ -155,6 +155,7 @@ class CTCDrafter(HeadDrafter):
     def __init__(self, options: Options, resources: Resources):
         self.options = options
         self.module = resolve_draft_head("ctc", options.heads, resources.target).to(resources.device)
+        self.module.projection.for_inference()
         inference = self.module.checkpoint_config.get("inference", {})
         self.tree_nodes = options.tree_nodes or inference.get("tree_nodes", DEFAULT_TREE_NODES)
         self.embeddings = resources.embeddings

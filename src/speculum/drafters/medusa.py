@@ -57,6 +57,7 @@ class MedusaDrafter(HeadDrafter):
     def __init__(self, options: Options, resources: Resources):
         self.options = options
         self.heads = resolve_draft_head("medusa", options.heads, resources.target).to(resources.device)
+        self.heads.projection.for_inference()
         inference = self.heads.checkpoint_config.get("inference", {})
         if options.tree_choices is not None:
             choices = [tuple(c) for c in options.tree_choices]

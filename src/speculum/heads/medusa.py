@@ -53,7 +53,7 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [..., H]`` -> logits ``[..., num_heads, len(draft_vocab)]``."""
-        x = hidden.to(self.projection.weight.dtype)
+        x = hidden.to(self.heads[0][0].linear.weight.dtype)
         states = torch.stack([head(x) for head in self.heads], dim=-2)
         return self.projection(states)
 
