@@ -111,7 +111,9 @@ class CTCDraftModule(nn.Module):
         base = self.fuse(torch.cat([memory[:, -1], self.norm_token(root_embedding.to(dtype))], dim=-1))
         queries = base[:, None, :] + self.slot_embedding
         if self.slot_blocks:
-            queries = queries + nn.functional.silu(torch.einsum("bh,sgh->bsg", base, self.slot_weight) + self.slot_bias)
+            # every slot's block as one matmul over the weights as stored (an einsum copied them each step)
+            blocks = nn.functional.linear(base, self.slot_weight.flatten(0, 1)).view(-1, self.slots, self.hidden_size)
+            queries = queries + nn.functional.silu(blocks + self.slot_bias)
         keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
         if padding is not None:
             padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)
