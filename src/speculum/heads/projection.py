@@ -30,16 +30,16 @@ class DraftVocabProjection(nn.Module):
         self.weight = rows.to(self.weight.device, torch.float32).contiguous()
         self.attached = True
 
-    def for_inference(self) -> None:
-        """Keep the rows in bfloat16 where the device computes it natively: heads only propose, so
-        rounding changes what they draft, never the output, and on an avx512_bf16 CPU 8 frames ×
-        16,384 rows × 1,536 cost 1.7 ms instead of 9.4 (issue #20)."""
-        from speculum.models.dtypes import cpu_has_fast_bf16
+    def for_inference(self) -> bool:
+        """Keep the rows in bfloat16 where the device computes it natively (returns whether it
+        does): heads only propose, so rounding changes what they draft, never the output, and on an
+        avx512_bf16 CPU 8 frames × 16,384 rows × 1,536 cost 1.7 ms instead of 9.4 (issue #20)."""
+        from speculum.models.dtypes import native_bf16
 
-        device = self.weight.device
-        fast = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_fast_bf16()
-        if fast and self.attached:
+        fast = self.attached and native_bf16(self.weight.device)
+        if fast:
             self.weight = self.weight.to(torch.bfloat16)
+        return fast
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.attached:

@@ -82,6 +82,14 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def native_bf16(device: torch.device | str) -> bool:
+    """True when ``device`` computes bfloat16 natively (a CUDA GPU that supports it, or a CPU with
+    AVX-512 BF16 / AMX)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_fast_bf16()
+
+
 def _is_cuda_device(device: str | torch.device) -> bool:
     if str(device) == "auto":
         return torch.cuda.is_available()

@@ -271,9 +271,7 @@ def mixed_precision(precision: str, device: str) -> torch.dtype | None:
         return None
     if precision == "bfloat16":
         return torch.bfloat16
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if dtypes.cpu_has_fast_bf16() else None
+    return torch.bfloat16 if dtypes.native_bf16(device) else None
 
 
 def _run_lengths(flags: torch.Tensor) -> torch.Tensor:
