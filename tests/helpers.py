@@ -17,7 +17,11 @@ from speculum.stats import Stats
 
 def build_drafter(method: str, draft_model=None, vocab_size: int = 64, target=None, **params):
     config = SpeculativeConfig(method, **params)
-    resources = Resources(target=target, draft_model=draft_model, vocab_size=vocab_size, model_key="test")
+    model = target if target is not None else draft_model  # heads and sampling where the model's outputs are
+    device = model.device if model is not None else torch.device("cpu")
+    resources = Resources(
+        target=target, draft_model=draft_model, vocab_size=vocab_size, model_key="test", device=device
+    )
     return config.drafter_class()(config.options(), resources)
 
 

@@ -67,14 +67,14 @@ def test_auto_sampling_follows_the_target():
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     sampling = SamplingParams(temperature=1.0, top_k=4)
     with torch.no_grad():
-        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
+        p1 = warp(model(torch.tensor([prompt], device=model.device)).logits[0, -1], sampling)[0]
         exact = {}
         for a in torch.nonzero(p1 > 0).flatten().tolist():
-            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
+            p2 = warp(model(torch.tensor([prompt + [a]], device=model.device)).logits[0, -1], sampling)[0]
             for b in torch.nonzero(p2 > 0).flatten().tolist():
                 exact[(a, b)] = p1[a].item() * p2[b].item()
     drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3, draft_depth=3)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator(model.device).manual_seed(5)
     counts = dict.fromkeys(exact, 0)
     trials, mixed = 1500, 0
     for _ in range(trials):

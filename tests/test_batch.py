@@ -160,7 +160,7 @@ def test_sampled_rows_give_their_seeded_single_request_text():
     sampling = SamplingParams(temperature=0.9, top_k=20)
 
     def generator(seed):
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator(model.device).manual_seed(seed)
 
     single = []
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
@@ -394,10 +394,10 @@ def test_sampled_rows_of_a_batch_follow_the_target_distribution(method):
     for _ in range(100):
         requests = [
             Request(prompt, build_drafter(method, draft, VOCAB, num_speculative_tokens=3), sampling, 4,
-                    generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))))
+                    generator=torch.Generator(model.device).manual_seed(int(torch.randint(2**62, (1,), generator=gen))))
             for _ in range(14)
         ] + [Request([9, 8], build_drafter(method, draft, VOCAB, num_speculative_tokens=3), sampling, 6,
-                     generator=torch.Generator().manual_seed(1))]  # fmt: skip
+                     generator=torch.Generator(model.device).manual_seed(1))]  # fmt: skip
         outputs = [[] for _ in requests]
         for row, new in engine.run_batch(runner, requests):
             outputs[row].extend(new)

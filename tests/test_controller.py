@@ -440,15 +440,15 @@ def test_sampled_drafts_pruned_by_the_controller_stay_exact():
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     sampling = SamplingParams(temperature=1.0, top_k=4)
     with torch.no_grad():
-        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
+        p1 = warp(model(torch.tensor([prompt], device=model.device)).logits[0, -1], sampling)[0]
         exact = {}
         for a in torch.nonzero(p1 > 0).flatten().tolist():
-            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
+            p2 = warp(model(torch.tensor([prompt + [a]], device=model.device)).logits[0, -1], sampling)[0]
             for b in torch.nonzero(p2 > 0).flatten().tolist():
                 exact[(a, b)] = p1[a].item() * p2[b].item()
     controller = Controller(CostModel([(1, 0.010), (2, 0.012), (3, 0.030), (8, 0.08)]))
     drafter = build_drafter("draft_model", draft, 16, length_policy="fixed", num_speculative_tokens=4)
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(model.device).manual_seed(3)
     counts = dict.fromkeys(exact, 0)
     trials, pruned = 1500, 0
     for _ in range(trials):

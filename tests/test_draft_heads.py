@@ -191,7 +191,7 @@ def test_checkpoint_round_trip(kind, slot_blocks, llama, tmp_path):
         assert loaded(hidden, torch.randn(1, llama.config.hidden_size)).shape == (1, 6, VOCAB + 1)
         assert loaded.blank_index == VOCAB and loaded.slot_blocks == slot_blocks
     # the projection is the target's own LM head
-    assert torch.equal(loaded.projection.weight, llama.get_output_embeddings().weight.float())
+    assert torch.equal(loaded.projection.weight, llama.get_output_embeddings().weight.float().cpu())
 
 
 def test_checkpoints_are_refused_on_another_model_or_when_corrupt(llama, tmp_path):
@@ -299,7 +299,7 @@ def test_the_heads_read_the_targets_hidden_state_before_the_root(llama, tmp_path
     assert len(seen) > 3
     for tokens, states in seen:
         with torch.no_grad():
-            full = llama.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+            full = llama.model(torch.tensor([tokens[:-1]], device=llama.device)).last_hidden_state[0]
         torch.testing.assert_close(states, full[-len(states) :], rtol=1e-4, atol=1e-4)
 
 

@@ -181,7 +181,7 @@ def _first_tokens_exact(model, prompt, sampling, n):
         for _ in range(n):
             longer = {}
             for seq, p in joint.items():
-                probs = warp(model(torch.tensor([prompt + list(seq)])).logits[0, -1], sampling)[0]
+                probs = warp(model(torch.tensor([prompt + list(seq)], device=model.device)).logits[0, -1], sampling)[0]
                 for token in torch.nonzero(probs > 0).flatten().tolist():
                     longer[seq + (token,)] = p * probs[token].item()
             joint = longer
@@ -256,7 +256,7 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_
     exact = _first_tokens_exact(model, prompt, sampling, 3)
     trials = 1500
     counts = dict.fromkeys(exact, 0)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator(model.device).manual_seed(11)
     params = {
         "lookahead": {"window_size": 3, "ngram_size": 4, "pool_from_prompt": True},
         "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},

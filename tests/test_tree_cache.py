@@ -7,7 +7,7 @@ from speculum import cache as cache_ops
 from speculum.runner import ModelRunner
 from speculum.tree import Draft, TokenTree
 
-from tiny_models import ARCHS, VOCAB, tiny_model
+from tiny_models import ARCHS, DEVICE, VOCAB, tiny_model
 
 
 def sample_tree():
@@ -86,7 +86,7 @@ def test_tree_logits_equal_each_path(arch):
     tree_logits = runner.forward(tree_cache, tree).logits
     for path in tree.paths():
         with torch.no_grad():
-            out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]]))
+            out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]], device=model.device))
         torch.testing.assert_close(tree_logits[path], out.logits[0, len(prefix) :], atol=1e-5, rtol=1e-5)
 
 
@@ -104,7 +104,7 @@ def test_tree_logits_respect_sliding_windows(arch, prefix_length):
     logits = runner.forward(cache, tree).logits
     for path in tree.paths():
         with torch.no_grad():
-            out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]]))
+            out = model(torch.tensor([prefix + [tree.tokens[i] for i in path]], device=model.device))
         torch.testing.assert_close(logits[path], out.logits[0, len(prefix) :], atol=1e-5, rtol=1e-5)
 
 
@@ -157,6 +157,7 @@ def test_lazy_head_rows_equal_full_logits(arch):
         torch.testing.assert_close(lazy[node], full[node], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU policy (the tiny models are on the GPU)")
 def test_lazy_head_auto_only_for_half_precision_cpu():
     assert not ModelRunner(tiny_model("llama")).lazy_head
     assert ModelRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -17,6 +18,8 @@ from transformers import (
 )
 
 VOCAB = 64
+# SPECULUM_TEST_DEVICE=cuda runs every test built on tiny_model() on the GPU (the device tool's check)
+DEVICE = torch.device(os.environ.get("SPECULUM_TEST_DEVICE", "cpu"))
 
 
 def tiny_config(arch: str, vocab_size: int = VOCAB):
@@ -81,7 +84,7 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 
     torch.manual_seed(seed)
     config = tiny_config(arch, vocab_size)
     config._attn_implementation = "sdpa" if arch != "gpt2" else "eager"
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE, dtype).eval()
     # Sharpen the output so argmax is far from ties and the model loops on repetitive text.
     if not getattr(config, "tie_word_embeddings", False):
         with torch.no_grad():
@@ -96,7 +99,7 @@ def perturbed_copy(model, scale: float = 0.5, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * scale * p.std())
+            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype) * scale * p.std())
     return draft
 
 
@@ -109,8 +112,8 @@ def repetitive_prompt(length: int = 24, period: int = 5, seed: int = 0) -> list[
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own plain greedy decoding: the output every method must reproduce exactly."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         do_sample=False,

@@ -82,7 +82,7 @@ class MedusaDrafter(HeadDrafter):
         hidden = self.history.last
         if hidden is None:
             return None
-        logits = self.heads(hidden[None])[0]  # [heads, draft vocab]
+        logits = self.heads(hidden[None].to(self.heads.projection.weight.device))[0]  # [heads, draft vocab]
         top = logits.topk(self.top_k, dim=-1)
         guesses = self.heads.projection.to_vocab(top.indices).tolist()
         started = time.perf_counter()
