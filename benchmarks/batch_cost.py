@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from speculum.bench.report import machine_info, now_iso
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from verify_cost import median_forward_seconds, prompt_ids  # noqa: E402 - the sibling script's helpers
+from verify_cost import load_model, median_forward_seconds, prompt_ids  # noqa: E402 - the sibling script's helpers
 
 
 @torch.inference_mode()
@@ -78,15 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--layers", type=int, default=None, help="with shape:NAME (verify_cost.py), the first N layers")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
 
-    from speculum import accel, models
+    from speculum import accel
 
-    model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.layers)
     model.eval()
     vocab = model.get_output_embeddings().weight.shape[0]  # before prepacking replaces the layer
     packed = bool(args.prepack and accel.prepack(model))
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         times = ", ".join(f"K={k} {1000 * v:.1f} ms" for k, v in results[batch].items())
         print(f"B={batch}: {times}", file=sys.stderr)
     mach = machine_info()
+    layers = f" ({args.layers} layers)" if args.layers else ""
+    gpu = f", GPU {mach['gpu']}" if "gpu" in mach else ""
     given = argv if argv is not None else sys.argv[1:]
     print(
         "\n".join(
@@ -105,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 f"- command: `{shlex.join(['python', 'benchmarks/batch_cost.py', *given])}`",
                 f"- date: {now_iso()}",
-                f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
+                f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads{gpu}; torch {mach.get('torch')}, "
                 f"transformers {mach.get('transformers')}",
-                f"- model: `{args.model}`; {str(model.dtype).replace('torch.', '')}{' prepacked' if packed else ''}; "
+                f"- model: `{args.model}`{layers}; {str(model.dtype).replace('torch.', '')}"
+                f"{' prepacked' if packed else ''}; "
                 f"device {args.device}; each row has a cache of P = {args.prefix} tokens; median of {args.reps} runs",
                 f"- cells: ms per forward (× the same B at K = {ks[0]}); last column: what batching plain decoding "
                 "can give at most",

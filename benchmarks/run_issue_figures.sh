@@ -259,3 +259,19 @@ for DT in float32 bfloat16; do
   speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128 \
       --dtype $DT --out $I20/bench-gemma-$DT --methods "autoregressive,hf_generate,medusa,ctc:tree=first,ctc:tree=prefix"
 done
+
+# ---- on a lent GPU (the device tool; nothing fetchable there: carry transformers as a wheel in .whl/):
+# the tiny-model tests on CUDA, then t(K) and t(B, K) of published shapes with random weights
+# (results/gpu/h100-*.md; BENCHMARKS.md "On a GPU")
+SPECULUM_TEST_DEVICE=cuda python -m pytest -q -n 16 tests/test_lossless.py tests/test_batch.py tests/test_tree_cache.py \
+    tests/test_devices.py tests/test_draft_heads.py tests/test_auto.py tests/test_controller.py tests/test_sampling.py
+for S in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b; do
+  python benchmarks/verify_cost.py shape:$S --device cuda --dtypes bfloat16 --prepack off --heads all --ks 1,2,4,8,16,32,64 --reps 10
+done
+for L in 10 20; do  # a 70B does not fit one 80 GB card: slices, cost linear in layers
+  python benchmarks/verify_cost.py shape:llama-3-70b --layers $L --device cuda --dtypes bfloat16 --prepack off --heads all \
+      --ks 1,2,4,8,16,32,64 --reps 10
+done
+for S in qwen2.5-1.5b qwen2.5-7b; do
+  python benchmarks/batch_cost.py shape:$S --device cuda --dtype bfloat16 --no-prepack --batches 1,2,4,8,16,32 --ks 1,2,4,8,16 --reps 10
+done

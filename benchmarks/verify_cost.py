@@ -6,6 +6,11 @@ verifier needs) and over the last position only (``logits_to_keep=1``, what plai
 
     python benchmarks/verify_cost.py gemma-3-270m
     python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes float32,bfloat16 --prefix 300 --reps 5
+    python benchmarks/verify_cost.py shape:qwen2.5-7b --device cuda --dtypes bfloat16 --prepack off
+
+``shape:NAME`` builds a published model's shape with random weights (what a forward costs does not
+depend on the weights): a GPU that cannot download a 7B or 70B model still gives its t(K);
+``--layers N`` keeps the first N layers of a shape too big for the device (cost grows linearly in N).
 
 Prints a markdown table (median ms and ratio to K=1) with a machine/date/command header.
 """
@@ -38,6 +43,38 @@ def prompt_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
             return ids[: length + 64]
     gen = torch.Generator().manual_seed(0)
     return torch.randint(10, vocab_size, (length + 64,), generator=gen).tolist()
+
+
+# published configurations (the models' config.json), as the fields that set a forward's cost
+SHAPES = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def load_model(name: str, dtype: str, device: str, layers: int | None = None):
+    """(model, tokenizer): a packaged/hub/local model, or ``shape:NAME`` with random weights (no tokenizer)."""
+    if not name.startswith("shape:"):
+        from speculum import models
+
+        return models.load_model(name, dtype=dtype, device=device)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name[6:] not in SHAPES:
+        raise SystemExit(f"unknown shape {name[6:]!r}: one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[name[6:]])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(**fields)
+    with torch.device(device):  # initialised where it runs: a 70B-shaped slice never touches host memory
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval(), None
 
 
 @torch.inference_mode()
@@ -95,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per K (median reported)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--layers", type=int, default=None, help="with shape:NAME, keep only the first N layers")
     ap.add_argument("--heads", default="all,last", help="all (LM head on all K positions), last (logits_to_keep=1)")
     ap.add_argument(
         "--prepack", default="off,on", help="off (stock linear layers) and/or on (speculum.accel oneDNN prepacking)"
@@ -108,24 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     if any(h not in ("all", "last") for h in heads):
         ap.error("--heads takes all and/or last")
 
-    from speculum import accel, models
+    from speculum import accel
 
     mach = machine_info()
+    layers = f" ({args.layers} layers)" if args.layers else ""
+    gpu = f", GPU {mach['gpu']}" if "gpu" in mach else ""
     given = argv if argv is not None else sys.argv[1:]
     header = [
         "# verification cost t(K)",
         "",
         f"- command: `{shlex.join(['python', 'benchmarks/verify_cost.py', *given])}`",
         f"- date: {now_iso()}",
-        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
+        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads{gpu}; torch {mach.get('torch')}, "
         f"transformers {mach.get('transformers')}",
-        f"- model: `{args.model}`; device {args.device}; cache of P = {args.prefix} tokens; "
+        f"- model: `{args.model}`{layers}; device {args.device}; cache of P = {args.prefix} tokens; "
         f"median of {args.reps} runs (after 1 warm-up); ratios are to K = {ks[0]}",
         "",
     ]
     rows = []
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        model, tokenizer = models.load_model(args.model, dtype=dtype, device=args.device)
+        model, tokenizer = load_model(args.model, dtype, args.device, args.layers)
         model.eval()
         vocab = model.get_output_embeddings().weight.shape[0]
         ids = prompt_ids(tokenizer, vocab, args.prefix + max(ks))
