@@ -50,7 +50,8 @@ def main() -> None:
     for name in sets:
         by_set[name] = recorded[first : first + len(chosen[name])]
         first += len(chosen[name])
-    print(f"{len(recorded)} prompts of {args.dataset} (each set's {args.skip + 1}th on), {args.max_new_tokens} tokens")
+    where = f"{args.dataset}, from prompt {args.skip + 1} of each"
+    print(f"{len(recorded)} prompts ({where}), {args.max_new_tokens} new tokens")
     print("| method | " + " | ".join(f"β {name}" for name in sets) + " | β mean over sets | mean draft tree size |")
     print("|---|" + "---|" * (len(sets) + 2))
     for text in args.methods.split(";"):

@@ -252,6 +252,18 @@ done
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
     --limit 5 --max-new-tokens 64 --out $I20/bench-qwen-64 \
     --methods "autoregressive,hf_generate,hf_assisted,draft_model,$I20/tuned-medusa.json,$I20/tuned-ctc.json"
+# fourth pass: the Medusa heads shipped (trees of 4, as tuned), the timed figure at the protocol (128 tokens), then
+# `auto` (which now finds the heads) against `auto` without them (a config file: drafters= holds commas)
+python benchmarks/ship_draft_heads.py $I20/full-medusa qwen2.5-coder-1.5b-medusa --tree-nodes 4
+sed "s#heads/qwen-ctc#$I20/full-ctc#" benchmarks/results/issue20-qwen-tuned-ctc.json > $I20/tuned-ctc.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+    --limit 5 --max-new-tokens 128 --out $I20/bench-qwen-128 \
+    --methods "autoregressive,hf_generate,hf_assisted,draft_model,medusa,$I20/tuned-ctc.json,auto"
+printf '{"format": "speculum-config", "version": 1, "method": "auto", "params": {"drafters": "anpd,prompt_lookup,draft_model"}}' \
+    > $I20/auto-no-heads.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+    --limit 5 --max-new-tokens 128 --out $I20/bench-qwen-auto-gates \
+    --methods "autoregressive,draft_model,medusa,auto,$I20/auto-no-heads.json"
 # Gemma 3 270M, the shipped heads: the paper's tree order against tree=prefix, float32 and bfloat16
 python benchmarks/head_acceptance.py --model gemma-3-270m --dataset mbpp --skip 0 --limit 10 --max-new-tokens 64 --threads 2 \
     --methods "ctc;ctc:tree=prefix;ctc:tree=prefix,top_k=8;medusa"
