@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--methods", required=True, help="';'-separated method specs (name:key=value,...)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="the target's dtype (auto: the faster one, measured)")
     parser.add_argument(
         "--batch",
         type=int,
@@ -40,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = speculum.load(args.model)
+    spec = speculum.load(args.model, dtype=args.dtype)
     has_template = bool(getattr(spec.tokenizer, "chat_template", None))
     sets = args.dataset.split(",")
     chosen = {name: load_dataset(name, args.skip + args.limit)[args.skip :] for name in sets}

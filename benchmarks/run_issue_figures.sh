@@ -264,6 +264,10 @@ printf '{"format": "speculum-config", "version": 1, "method": "auto", "params": 
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
     --limit 5 --max-new-tokens 128 --out $I20/bench-qwen-auto-gates \
     --methods "autoregressive,draft_model,medusa,auto,$I20/auto-no-heads.json"
+# the rebuilt heads' β on the report sets, bfloat16 as at the second pass (dtype=auto may pick float32 now)
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+    --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 \
+    --methods "medusa:heads=$I20/full-medusa;ctc:heads=$I20/full-ctc,tree=prefix,top_k=8"
 # Gemma 3 270M, the shipped heads: the paper's tree order against tree=prefix, float32 and bfloat16
 python benchmarks/head_acceptance.py --model gemma-3-270m --dataset mbpp --skip 0 --limit 10 --max-new-tokens 64 --threads 2 \
     --methods "ctc;ctc:tree=prefix;ctc:tree=prefix,top_k=8;medusa"
