@@ -220,7 +220,7 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 # ---- issue #20: data for heads on the Qwen2.5-Coder 1.5B (its own continuations, 720 prompts x 256 tokens), then
 # short training probes (16,000 examples, one epoch) compared by exact replay on the tuning prompts (mbpp[:6])
 I20=$OUT/i20
-TEXTS="mbpp[100:400],gsm8k[100:350],wmt16[100:200],mt_bench[20:]"  # no report prompt (first 20 per set), no tuning prompt (mbpp[:100])
+TEXTS="mbpp[100:200],gsm8k[100:200],wmt16[100:200],mt_bench[20:]"  # 360 texts: no report prompt (first 20 per set), no tuning prompt (mbpp[:100])
 speculum train ctc-drafter --model qwen2.5-coder-1.5b --out $I20/qwen-ctc --texts "$TEXTS" --generate 256 --threads 2 \
     --epochs 2 --max-examples 120000    # resumable: rerun the same command after an interruption
 probe() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/probe-$2 --texts "$TEXTS" --generate 256 --threads 2 \

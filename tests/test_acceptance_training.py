@@ -35,7 +35,9 @@ def spec():
 
 
 def test_training_texts_names_slices_and_paths(tmp_path):
-    assert len(training_texts("gsm8k[100:]")) == 100
+    assert len(training_texts("gsm8k[100:]")) == 560 and len(training_texts("mbpp[200:450]")) == 250
+    with pytest.raises(InvalidInputError, match=r"wmt16\[100:400\]: wmt16 has 200 texts"):
+        training_texts("wmt16[100:400]")  # a slice past the end is refused, not quietly shortened
     mbpp = training_texts(["mbpp[:3]"])
     assert len(mbpp) == 3 and mbpp[0].instruction and "def " in mbpp[0].response
     assert len(training_texts("wmt16[10:20],humaneval[:2]")) == 12

@@ -676,6 +676,21 @@ def test_cli_trains_both_kinds_on_one_generated_data_pass(model_dir, tmp_path):
     res = CliRunner().invoke(app, ["train", "medusa", "--model", model_dir, "--out", str(tmp_path), "--texts", "no"])
     assert res.exit_code == 2 and "unknown text source" in res.output
 
+    # more texts later: a data pass over the new texts only, the earlier run's data appended
+    more, extra = tmp_path / "more.jsonl", ctc / "distill_data.safetensors"
+    more.write_text("\n".join(json.dumps({"turns": [" ".join(f"w{i}" for i in range(n, 30))]}) for n in range(5, 9)))
+    common[common.index(texts)] = more
+    output = cli("train", "medusa", "--out", tmp_path / "both", "--extra-data", extra, *common)
+    assert "from --extra-data" in output
+    info = json.loads((tmp_path / "both" / "config.json").read_text())["training"]["data"]
+    from safetensors import safe_open
+
+    with safe_open(str(extra), "pt") as f, safe_open(str(tmp_path / "both" / "distill_data.safetensors"), "pt") as g:
+        assert info["positions"] == f.get_slice("label").get_shape()[0] + g.get_slice("label").get_shape()[0]
+    args = ["train", "medusa", "--out", str(tmp_path / "x"), "--extra-data", "nowhere", *map(str, common)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "--extra-data nowhere: no such file" in res.output
+
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fast, llama, monkeypatch):
@@ -694,3 +709,43 @@ def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fa
     logits = projection(hidden)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, exact, atol=0.05 * exact.abs().max().item())
+
+
+def test_extra_data_files_are_appended_with_their_texts_kept_apart(speculum_llama, tmp_path):
+    """--extra-data: data made by earlier runs is trained on too, its sequences and sources
+    renumbered after this run's (so the validation split still holds whole sources out), and a file
+    that is not distillation data for this target is refused with a clear error."""
+    from safetensors.torch import save_file
+
+    from speculum.errors import InvalidInputError
+    from speculum.training.draft_heads import DATA_COLUMNS, append_data
+
+    hidden = speculum_llama.model.config.hidden_size
+
+    def data(n_texts, per_text, size=hidden):
+        n = n_texts * per_text
+        text = torch.arange(n_texts, dtype=torch.int32).repeat_interleave(per_text)
+        return {"hidden": torch.randn(n, size).half(), "label": torch.randint(0, VOCAB, (n,)),
+                "token": torch.randint(0, VOCAB, (n,)), "text": text, "source": text // 2,
+                "response": torch.ones(n, dtype=torch.bool)}  # fmt: skip
+
+    own, earlier = data(4, 3), data(6, 2)
+    save_file(earlier, str(tmp_path / "earlier.safetensors"))
+    merged = append_data(speculum_llama, own, [tmp_path / "earlier.safetensors"])
+    assert len(merged["label"]) == 12 + 12
+    for name in DATA_COLUMNS:
+        assert torch.equal(merged[name][:12], own[name])
+    assert torch.equal(merged["hidden"][12:], earlier["hidden"]) and torch.equal(merged["label"][12:], earlier["label"])
+    assert set(merged["text"][12:].tolist()) == {4, 5, 6, 7, 8, 9}  # after own texts 0..3
+    assert set(merged["source"][12:].tolist()) == {2, 3, 4}  # after own sources 0..1
+    assert append_data(speculum_llama, own, []) is own
+
+    save_file(data(2, 2, size=hidden + 1), str(tmp_path / "other.safetensors"))
+    with pytest.raises(InvalidInputError, match="another target"):
+        append_data(speculum_llama, own, [tmp_path / "other.safetensors"])
+    save_file({"hidden": torch.zeros(2, hidden)}, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(InvalidInputError, match="not a distillation data file"):
+        append_data(speculum_llama, own, [tmp_path / "partial.safetensors"])
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(InvalidInputError, match="not a readable data file"):
+        append_data(speculum_llama, own, [tmp_path / "junk.safetensors"])

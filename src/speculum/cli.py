@@ -350,7 +350,7 @@ def train_acceptance_head(
             help="Comma-separated text sources: mbpp, humaneval, gsm8k, mt_bench, wmt16, stdlib, sliced like "
             "gsm8k[100:], or paths. Keep the prompts you report on out."
         ),
-    ] = "mbpp,gsm8k[100:],wmt16[100:],stdlib[:40]",
+    ] = "mbpp[:200],gsm8k[100:200],wmt16[100:],stdlib[:40]",
     max_tokens: Annotated[int, typer.Option(min=8, help="Tokens per text at most.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, help="The inference temperature the labels are for.")] = 0.0,
     mixing_ratio: Annotated[float, typer.Option(min=0.0, max=0.99, help="Share r keeping the target token.")] = 0.15,
@@ -426,7 +426,7 @@ TextsOption = Annotated[
         "report on out.",
     ),
 ]
-DEFAULT_HEAD_TEXTS = "mbpp,gsm8k[100:],wmt16[100:],mt_bench[10:],stdlib[:40]"
+DEFAULT_HEAD_TEXTS = "mbpp[:200],gsm8k[100:200],wmt16[100:],mt_bench[10:],stdlib[:40]"
 
 
 GenerateOption = Annotated[
@@ -448,6 +448,13 @@ DataOption = Annotated[
     str | None,
     typer.Option(
         help="Distillation data cache to use (e.g. the other kind's OUT/distill_data.safetensors; default: in --out)."
+    ),
+]
+ExtraDataOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Data files earlier runs made for this target, trained on too (repeatable): "
+        "add texts without a new data pass over the old ones."
     ),
 ]
 PrecisionOption = Annotated[
@@ -475,6 +482,10 @@ def _train_draft_heads(kind: str, model: str, out: str, texts: str, data_setting
     try:
         sources = training_texts(texts)
         settings.check()
+        extra_data = [Path(file) for file in common["extra_data"] or []]
+        for file in extra_data:
+            if not file.is_file():
+                fail(f"--extra-data {file}: no such file")
         if common["threads"] is not None:
             torch.set_num_threads(common["threads"])
         device = common["device"]
@@ -492,6 +503,7 @@ def _train_draft_heads(kind: str, model: str, out: str, texts: str, data_setting
             regenerate=common["regenerate"],
             resume=common["resume"],
             data_file=Path(common["data"]) if common["data"] else None,
+            extra_data=extra_data,
             log=lambda line: err.print(line, highlight=False),
         )
     except SpeculumError as error:
@@ -511,6 +523,7 @@ def train_medusa(
     raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
     data: DataOption = None,
+    extra_data: ExtraDataOption = None,
     num_heads: Annotated[int, typer.Option(min=1, help="Heads: tokens guessed beyond the next one.")] = 4,
     num_layers: Annotated[int, typer.Option(min=1, help="Residual blocks per head.")] = 1,
     draft_vocab: Annotated[int, typer.Option(min=1, help="Tokens the heads can draft (most predicted).")] = 16384,
@@ -535,7 +548,8 @@ def train_medusa(
         batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes, consistent=consistent,
         precision=precision,
     )  # fmt: skip
-    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data,
+                  extra_data=extra_data)  # fmt: skip
     data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)
     _train_draft_heads("medusa", model, out, texts, data_settings, settings, common)
 
@@ -551,6 +565,7 @@ def train_ctc_drafter(
     raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
     data: DataOption = None,
+    extra_data: ExtraDataOption = None,
     slots: Annotated[int, typer.Option(min=1, help="Frames predicted at once.")] = 8,
     label_length: Annotated[int, typer.Option(min=1, help="Target tokens the frames spell (CTC labels).")] = 4,
     context: Annotated[int, typer.Option(min=1, help="Hidden states of the recent context it reads.")] = 16,
@@ -584,7 +599,8 @@ def train_ctc_drafter(
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
         consistent=consistent, precision=precision, standardize=standardize, slot_blocks=slot_blocks,
     )  # fmt: skip
-    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data)
+    common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data,
+                  extra_data=extra_data)  # fmt: skip
     data_settings = DistillSettings(max_tokens, generate, generate_batch, raw_layout)
     _train_draft_heads("ctc", model, out, texts, data_settings, settings, common)
 

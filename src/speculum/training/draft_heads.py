@@ -155,8 +155,7 @@ def make_data(
     from tqdm.auto import tqdm
 
     runner = ModelRunner(spec.model, lazy_head=False)
-    names = ("hidden", "label", "token", "text", "source", "response")
-    columns: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    columns: dict[str, list[torch.Tensor]] = {name: [] for name in DATA_COLUMNS}
     laid_out = sequences(spec, texts, settings, progress, cache)
     bar = tqdm(laid_out, desc="distillation data", unit="text", disable=not progress)
     for index, (ids, start, source) in enumerate(bar):
@@ -204,6 +203,49 @@ def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regen
         return make_data(spec, texts, settings, progress, continued)
 
     return cached_tensors(cache, data_key(spec, texts, settings), make, regenerate)
+
+
+DATA_COLUMNS = ("hidden", "label", "token", "text", "source", "response")
+
+
+def append_data(spec, data: dict[str, torch.Tensor], files: list[Path]) -> dict[str, torch.Tensor]:
+    """``data`` followed by the data files earlier runs made for the same target (``--extra-data``):
+    a data pass is the costly part, so data made for other texts is reused as it is. Sequence and
+    source numbers are shifted so that every file's texts stay apart (and in the validation split)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    parts = [data]
+    hidden_size = spec.model.config.get_text_config().hidden_size
+    for file in files:
+        try:
+            extra = load_file(str(file))
+        except (OSError, SafetensorError) as error:
+            raise InvalidInputError(f"--extra-data {file}: not a readable data file ({error})") from None
+        missing = [name for name in DATA_COLUMNS if name not in extra]
+        if missing:
+            raise InvalidInputError(f"--extra-data {file}: not a distillation data file (no {', '.join(missing)})")
+        if extra["hidden"].shape[1] != hidden_size:
+            raise InvalidInputError(
+                f"--extra-data {file}: made for another target (hidden size {extra['hidden'].shape[1]}, "
+                f"this target's {hidden_size})"
+            )
+        parts.append(extra)
+    if len(parts) == 1:
+        return data
+    merged: dict[str, list[torch.Tensor]] = {name: [] for name in DATA_COLUMNS}
+    text_base = source_base = 0
+    for part in parts:
+        for name in DATA_COLUMNS:
+            column = part[name]
+            if name == "text":
+                column = column + text_base
+            elif name == "source":
+                column = column + source_base
+            merged[name].append(column)
+        text_base += int(part["text"].max()) + 1
+        source_base += int(part["source"].max()) + 1
+    return {name: torch.cat(columns) for name, columns in merged.items()}
 
 
 def choose_draft_vocab(
@@ -536,24 +578,30 @@ def run(
     resume: bool = False,
     progress: bool = True,
     data_file: Path | None = None,
+    extra_data: list[Path] | None = None,
     log=print,
 ):
-    """Data (cached in ``out``, or in ``data_file``: one data pass for both kinds of heads) then
-    training: what ``speculum train medusa|ctc-drafter`` does."""
+    """Data (cached in ``out``, or in ``data_file``: one data pass for both kinds of heads; then
+    ``extra_data``, files earlier runs made) then training: what ``speculum train medusa|ctc-drafter`` does."""
     settings.check()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data, cached = load_or_make_data(spec, texts, data_settings, data_file or out / DATA_FILE, regenerate, progress)
     data_time = time.perf_counter() - t0
+    own_positions = len(data["label"])
+    data = append_data(spec, data, list(extra_data or []))
     size = sum(t.numel() * t.element_size() for t in data.values())
     log(
-        f"data: {len(data['label'])} positions from {len(texts)} texts "
-        f"({'cached' if cached else f'{data_time:.0f} s'}, {size / 2**20:.0f} MB)"
+        f"data: {own_positions} positions from {len(texts)} texts "
+        f"({'cached' if cached else f'{data_time:.0f} s'})"
+        + (f", {len(data['label']) - own_positions} from --extra-data" if extra_data else "")
+        + f"; {size / 2**20:.0f} MB in all"
     )
     info = {
         "target": getattr(spec, "name", None),
         "data": {**asdict(data_settings), "positions": len(data["label"]), "texts": len(texts),
-                 "seconds": round(data_time, 1), "megabytes": round(size / 2**20, 1)},
+                 "seconds": round(data_time, 1), "megabytes": round(size / 2**20, 1),
+                 "extra_data": [str(file) for file in extra_data or []]},
     }  # fmt: skip
     t1 = time.perf_counter()
     module, history = train(spec, data, settings, out, device=device, resume=resume, progress=progress,

@@ -92,6 +92,9 @@ def training_texts(sources: list[str] | str) -> list[TrainingText]:
         if match and (match.group("start") or match.group("stop")):
             start = int(match.group("start")) if match.group("start") else None
             stop = int(match.group("stop")) if match.group("stop") else None
+            for bound in (start, stop):  # a slice past the end would quietly give fewer texts than asked
+                if bound is not None and abs(bound) > len(items):
+                    raise InvalidInputError(f"{source}: {name} has {len(items)} texts")
             items = items[start:stop]
         texts.extend(t for t in items if t.response.strip())
     if not texts:
