@@ -268,6 +268,19 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
     --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 \
     --methods "medusa:heads=$I20/full-medusa;ctc:heads=$I20/full-ctc,tree=prefix,top_k=8"
+# fifth pass: more distinct prompts (the CTC module overfits). The target's continuations of 510 new texts (one
+# layout each), a data pass over them only, then both kinds on the old data plus the new (--extra-data)
+NEW="mbpp[200:450],gsm8k[200:400],wmt16[40:100]"  # no report prompt (first 20 per set), no tuning prompt (mbpp[:100])
+speculum train medusa --model qwen2.5-coder-1.5b --out $I20/new-data --texts "$NEW" --generate 256 --no-raw-layout \
+    --threads 2 --epochs 1 --max-examples 640   # the data (and a throwaway head)
+more() { speculum train $1 --model qwen2.5-coder-1.5b --out $I20/more-$2 --texts "$TEXTS" --generate 256 --threads 2 \
+    --epochs 2 --max-examples 72000 --data $I20/qwen-ctc/distill_data.safetensors \
+    --extra-data $I20/new-data/distill_data.safetensors "${@:3}"; }
+more medusa medusa
+more ctc-drafter ctc --standardize --lr 3e-4
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+    --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 \
+    --methods "medusa:heads=$I20/more-medusa;ctc:heads=$I20/more-ctc,tree=prefix,top_k=8"
 # Gemma 3 270M, the shipped heads: the paper's tree order against tree=prefix, float32 and bfloat16
 python benchmarks/head_acceptance.py --model gemma-3-270m --dataset mbpp --skip 0 --limit 10 --max-new-tokens 64 --threads 2 \
     --methods "ctc;ctc:tree=prefix;ctc:tree=prefix,top_k=8;medusa"
