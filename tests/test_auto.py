@@ -147,3 +147,52 @@ def test_auto_options():
         Options(draft_depth=0)
     r = Resources()
     assert AutoDrafter(Options(drafters="anpd"), r).names == ["anpd"]
+
+
+def test_the_draft_models_sampled_chain_comes_first_and_takes_equal_tokens_in():
+    """At T > 0 siblings are tried in order: the draft model's chain first (as it would be alone),
+    an n-gram node holding its sampled token joined to it (its subtree below), other nodes after
+    it, calibrated apart (they are tried against the residual)."""
+    from speculum.controller import calibration_labels
+    from speculum.drafters.auto import _Part
+
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    ngram = _Fixed(Draft([5, 7, 9], [-1, 0, -1]))  # 5 -> 7 ; 9
+    model = _Fixed(Draft([5, 6], [-1, 0], torch.stack([q, q])))  # sampled 5 -> 6
+    drafter = AutoDrafter.__new__(AutoDrafter)
+    drafter.parts = [_Part("anpd", ngram, ngram.draft), _Part("draft_model", model, model.draft)]
+    merged = drafter._merged()
+    assert merged.tokens == [5, 6, 7, 9] and merged.parents == [-1, 0, 0, -1]
+    assert merged.sources == ["draft_model", "draft_model", "anpd", "anpd"]
+    assert merged.q(0) is not None and merged.q(2) is None
+    assert drafter.parts[0].nodes == [0, 2, 3] and drafter.parts[1].nodes == [0, 1]
+    assert calibration_labels(merged) == ["draft_model", "draft_model", "anpd after a sample", "anpd after a sample"]
+    tree = TokenTree.from_draft(1, merged)
+    assert tree.children[0] == [1, 4] and tree.q(1) is not None  # the sample is tried first
+    # greedy (nothing sampled): one node per token, the draft model's, and plain labels
+    model.draft = Draft([5, 6], [-1, 0])
+    drafter.parts[1].draft = model.draft
+    greedy = drafter._merged()
+    assert greedy.tokens == [5, 6, 7, 9] and greedy.sources[0] == "draft_model"
+    assert calibration_labels(greedy) == greedy.sources
+
+
+def test_the_draft_model_and_heads_are_gated_apart():
+    """Heads that stopped paying beside the draft model (T=1) stop running; the draft model does not."""
+    from types import SimpleNamespace
+
+    from speculum.drafters.auto import _Part
+
+    drafter = AutoDrafter.__new__(AutoDrafter)
+    drafter.options, drafter._gates = Options(), {}
+    parts = {"anpd": [7], "medusa": [6], "draft_model": [5]}
+    drafter.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
+    drafter.groups = ["heads", "draft model"]
+    assert drafter.gate(1, "heads") is not drafter.gate(1, "draft model")
+    assert drafter.gate(1) is drafter.gate(1, "heads")  # the first group, by default
+    ctx = SimpleNamespace(rows=1)
+    assert drafter.propose(ctx).tokens == [5, 7, 6]  # every group runs while nothing says otherwise
+    drafter.gate(1, "heads")._skip = 10_000  # the heads stopped paying
+    assert drafter.propose(ctx).tokens == [5, 7]
+    drafter.gate(1, "draft model")._skip = 10_000
+    assert drafter.propose(ctx).tokens == [7]

@@ -63,8 +63,14 @@ def test_repeated_siblings_merged_and_indices_kept():
     q = torch.full((4,), 0.25)
     sampled = TokenTree.from_draft(1, Draft([2, 2], [-1, -1], [q, q]))
     assert sampled.tokens == [1, 2, 2]
-    mixed = TokenTree.from_draft(1, Draft([2, 2, 2], [-1, -1, -1], [q, None, None]))
-    assert mixed.tokens == [1, 2, 2] and mixed.q(1) is q and mixed.q(2) is None
+    # a deterministic sibling after a sampled one with its token merges into it (once the verifier
+    # rejects the sampled 2, the residual has no mass on 2), its subtree hanging below
+    mixed = TokenTree.from_draft(1, Draft([2, 2, 2, 3], [-1, -1, -1, 2], [q, None, None, None]))
+    assert mixed.tokens == [1, 2, 3] and mixed.parents == [-1, 0, 1] and mixed.q(1) is q
+    assert mixed.node_of == [1, 1, 1, 2] and mixed.q(2) is None
+    # before it, the deterministic one is tried first and stays apart
+    first = TokenTree.from_draft(1, Draft([2, 2], [-1, -1], [None, q]))
+    assert first.tokens == [1, 2, 2] and first.q(1) is None and first.q(2) is q
 
 
 def test_tree_truncated_keeps_draft_indices():

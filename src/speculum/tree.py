@@ -39,8 +39,13 @@ class Draft:
     - a list with one entry per node, a ``[vocab]`` tensor or ``None``: a mix, node by node (a
       sampled draft lengthened by deterministic phrases). A one-hot row is the same as ``None``.
 
-    Sampled siblings must be independent samples (of the same or different distributions);
-    deterministic siblings holding the same token are merged by the tree builder.
+    Sampled siblings must be independent samples (of the same or different distributions), so
+    equal sampled siblings stay apart. A deterministic node is merged by the tree builder into an
+    earlier sibling holding its token, deterministic or sampled: the verifier tries siblings in
+    order, and a sampled y it rejects has no mass left in the residual (p(y) < q(y) there), so
+    trying the same token again could never succeed; merged, the deterministic node's subtree
+    hangs below y instead, where it is verified if y is accepted. (Whether a deterministic
+    candidate is tried may depend on earlier siblings' values: the rule stays exact.)
     """
 
     tokens: list[int]
@@ -189,14 +194,15 @@ class TokenTree:
         keep: list[bool] | None = None,
     ) -> TokenTree:
         """The tree for ``draft`` below ``root_token``: nodes deeper than ``max_depth`` dropped,
-        deterministic siblings with equal tokens merged (with their subtrees), draft nodes beyond the
+        a deterministic node merged (with its subtree) into an earlier sibling holding its token,
+        sampled or not (see ``Draft``), draft nodes beyond the
         first ``max_nodes`` kept dropped (parents come first, so what is kept is still a tree), and,
         given ``keep`` (one flag per draft node), the nodes it says not to keep with their subtrees."""
         if draft is None or len(draft) == 0:
             return cls([root_token], [-1])
         tokens, parents, probs, source, depth = [root_token], [-1], [None], [-1], [0]
         node_of = [-1] * len(draft)
-        deterministic_child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        first_child: dict[tuple[int, int], int] = {}  # (parent node, token) -> the first node holding it
         for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
             parent_node = 0 if parent < 0 else node_of[parent]
             if parent_node < 0 or (max_depth is not None and depth[parent_node] >= max_depth):
@@ -204,14 +210,13 @@ class TokenTree:
             if keep is not None and not keep[j]:
                 continue  # pruned (and so is its subtree: its children find no parent node)
             q = draft.q(j)
-            if q is None and (parent_node, token) in deterministic_child:
-                node_of[j] = deterministic_child[(parent_node, token)]
+            if q is None and (parent_node, token) in first_child:
+                node_of[j] = first_child[(parent_node, token)]
                 continue
             if max_nodes is not None and len(tokens) > max_nodes:
                 break  # dropping draft nodes is always lossless: they are simply not verified
             node_of[j] = len(tokens)
-            if q is None:
-                deterministic_child[(parent_node, token)] = len(tokens)
+            first_child.setdefault((parent_node, token), len(tokens))
             tokens.append(int(token))
             parents.append(parent_node)
             probs.append(q)

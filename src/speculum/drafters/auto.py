@@ -10,10 +10,12 @@ composed tree does not promise), and so is Ouroboros (its draft model and its ph
 Each round the cheap drafters propose; the costly ones (the draft model, heads: each runs model
 layers and an output layer as wide as the vocabulary) propose only while the rounds that ran them
 have paid more per second than the rounds that did not (measured goodput, explored again after a
-back-off of 1, 2, 4, ... rounds, as the controller does for drafting at all). The proposals are
-merged into one draft: identical deterministic branches become one node (the first drafter listed
-keeps it), sampled branches stay apart (each is an independent sample, which the verifier's
-multi-candidate rule needs), and every node remembers its drafter (``Draft.sources``): the
+back-off of 1, 2, 4, ... rounds, as the controller does for drafting at all), the draft model and
+the heads each judged apart (``GATE_GROUPS``). The proposals are
+merged into one draft, the draft model's chain first: a deterministic node (n-gram, heads) becomes
+one with an earlier node holding its token below the same parent (the draft model's, else the
+first drafter listed keeps it), sampled branches stay apart (each is an independent sample, which
+the verifier's multi-candidate rule needs), and every node remembers its drafter (``Draft.sources``): the
 controller calibrates each drafter's scores apart and prunes the merged tree to what pays on this
 machine, and the stats count accepted tokens by drafter. Each drafter then observes the step in its
 own numbering, as if it had drafted alone.
@@ -38,8 +40,12 @@ __all__ = ["AutoDrafter", "Options"]
 
 CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model")
 # the ones whose drafting costs model forwards (a draft model; heads over the target's hidden state,
-# each with an output layer as wide as the vocabulary): run while they pay
-MODEL_DRAFTERS = ("medusa", "ctc", "draft_model")
+# each with an output layer as wide as the vocabulary), each group behind a gate of its own: a group
+# runs while the rounds that ran it pay more per second than those that did not. Apart, because
+# one can pay where the other does not: at T=1 the Qwen 0.5B draft pays and the 1.5B's Medusa
+# heads beside it do not (their tokens are tried after the draft's sample is rejected, against what
+# is left of p: 7 of 142 accepted tokens, issue #18), while greedy both add
+GATE_GROUPS = {"draft_model": "draft model", "medusa": "heads", "ctc": "heads"}
 
 
 @dataclass
@@ -101,7 +107,7 @@ class _Part:
 
 
 class ModelGate:
-    """Whether to run the costly drafters (a draft model, heads) this round: while rounds with them pay
+    """Whether to run a group of costly drafters (a draft model, or heads) this round: while rounds with them pay
     more per second than rounds without them; after they stop paying they are tried again after 1,
     2, 4, ... ``max_backoff`` rounds (grown past it, as the controller's back-off is, until a probe
     loses at most ``exploration`` of the time), for a probe of a few rounds. While they run, one
@@ -206,16 +212,17 @@ class AutoDrafter(Drafter):
         # tokens it had already paid for (Qwen pair, issue #18: auto 1.41x against draft_model's 1.57x
         # on HumanEval, 222 nodes pruned); n-gram branches and head trees are still pruned
         self.whole_sources = frozenset({"draft_model"}) & set(self.names)
-        # the model gates, one per batch size (a draft model that pays alone may not beside 7 other
-        # rows), shared by every drafter of this configuration: what one request learned, the next
-        # one starts from, and the rows of a batch decide together
+        # the model gates, one per group and batch size (a draft model that pays alone may not
+        # beside 7 other rows), shared by every drafter of this configuration: what one request
+        # learned, the next one starts from, and the rows of a batch decide together
         self._gates = resources.shared.setdefault(
             ("auto.model_gates", tuple(self.names), options.num_speculative_tokens, options.draft_depth,
              options.max_backoff), {},
         )  # fmt: skip
-        self._gate: ModelGate | None = None  # the gate that decided this round
+        self.groups = list(dict.fromkeys(GATE_GROUPS[n] for n in self.names if n in GATE_GROUPS))
+        self._deciding: dict[str, ModelGate] = {}  # group -> the gate that decided this round
+        self._used: dict[str, bool] = {}  # group -> whether it runs this round
         self._proposed = False  # propose ran this round (the controller may have chosen a plain step)
-        self._used_model = False
         self._round_start = 0.0
 
     @property
@@ -236,21 +243,33 @@ class AutoDrafter(Drafter):
             part.drafter.start(ctx)
             part.draft = None
         # the last request may have ended on a drafted round, which was never observed
-        self._proposed = self._used_model = False
-        self._gate = None
+        self._proposed = False
+        self._deciding, self._used = {}, {}
 
-    def gate(self, rows: int = 1) -> ModelGate:
-        """The model gate for batches of ``rows`` rows (a new size starts from the nearest smaller one's)."""
-        return by_batch_size(self._gates, rows, lambda: ModelGate(self.options.max_backoff))
+    def gate(self, rows: int = 1, group: str | None = None) -> ModelGate:
+        """The gate of ``group`` (default: the first there is, the draft model's if loaded) for
+        batches of ``rows`` rows (a new size starts from the nearest smaller one's)."""
+        learned = self._gates.setdefault(group or (self.groups[0] if self.groups else "draft model"), {})
+        return by_batch_size(learned, rows, lambda: ModelGate(self.options.max_backoff))
 
-    def propose(self, ctx: DraftContext) -> Draft | None:
+    def _runs(self, part: _Part) -> bool:
+        """Whether ``part`` proposes this round (the cheap ones always)."""
+        return part.name not in GATE_GROUPS or self._used[GATE_GROUPS[part.name]]
+
+    def _decide(self, gates: dict[str, ModelGate]) -> None:
+        """This round's decisions (``gates``' ``use``, made once for every row of a batch)."""
         self._round_start = time.perf_counter()
         self._proposed = True
-        self._gate = self.gate(ctx.rows)
-        self._used_model = self._gate.use()
+        self._deciding = gates
         for part in self.parts:
             part.draft = None
-            if part.name in MODEL_DRAFTERS and not self._used_model:
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        gates = {group: self.gate(ctx.rows, group) for group in self.groups}
+        self._decide(gates)
+        self._used = {group: gate.use() for group, gate in gates.items()}
+        for part in self.parts:
+            if not self._runs(part):
                 continue
             draft = part.drafter.propose(ctx)
             part.draft = draft if draft is not None and len(draft) else None
@@ -265,17 +284,14 @@ class AutoDrafter(Drafter):
 
     @classmethod
     def propose_rows(cls, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> list[Draft | None]:
-        gate = drafters[0].gate(ctxs[0].rows)
-        used = gate.use()  # one decision for the rows: the draft model runs for all of them or none
+        gates = {group: drafters[0].gate(ctxs[0].rows, group) for group in drafters[0].groups}
+        used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
+        # draft model runs for all of them or none
         for drafter in drafters:
-            drafter._round_start = time.perf_counter()
-            drafter._proposed = True
-            drafter._gate, drafter._used_model = gate, used
-            for part in drafter.parts:
-                part.draft = None
-        for k, part in enumerate(drafters[0].parts):
-            rows = [(d, ctx) for d, ctx in zip(drafters, ctxs, strict=True)
-                    if part.name not in MODEL_DRAFTERS or d._used_model]  # fmt: skip
+            drafter._decide(gates)
+            drafter._used = used
+        for k in range(len(drafters[0].parts)):
+            rows = [(d, ctx) for d, ctx in zip(drafters, ctxs, strict=True) if d._runs(d.parts[k])]
             if not rows:
                 continue
             parts = [d.parts[k].drafter for d, _ in rows]
@@ -287,6 +303,17 @@ class AutoDrafter(Drafter):
                 d.parts[k].draft = draft if draft is not None and len(draft) else None
         return [drafter._merged() for drafter in drafters]
 
+    @property
+    def _merge_order(self) -> list[_Part]:
+        """The parts in the order their drafts are merged: the draft model's chain first, so its
+        nodes come first among siblings. At T > 0 the verifier tries siblings in order, and an
+        n-gram or head token tried before the chain's own (accepted with the target's p(x)) led
+        down a short branch away from the chain, which the draft model alone would have followed
+        3-4 tokens deep (issue #18: auto's draft acceptance 16-21% at T=1 on the Qwen pair,
+        draft_model's 79-82%). Greedy, the chain then owns the nodes other drafters share with it,
+        so it stays whole (``whole_sources``)."""
+        return sorted(self.parts, key=lambda part: part.name != "draft_model")
+
     def _merged(self) -> Draft | None:
         """One draft of every part's (see the module docstring)."""
         tokens: list[int] = []
@@ -294,8 +321,8 @@ class AutoDrafter(Drafter):
         probs: list[torch.Tensor | None] = []
         scores: list[float | None] = []
         sources: list[str] = []
-        deterministic: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-        for part in self.parts:
+        first: dict[tuple[int, int], int] = {}  # (merged parent, token) -> the first merged node holding it
+        for part in self._merge_order:
             part.nodes = []
             draft = part.draft
             if draft is None:
@@ -303,7 +330,10 @@ class AutoDrafter(Drafter):
             for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
                 above = -1 if parent < 0 else part.nodes[parent]
                 q = draft.q(j)
-                node = deterministic.get((above, token)) if q is None else None
+                # a deterministic node may join a sampled one (see ``Draft``): exact here, where the
+                # draft model is the only sampled drafter and its chain is verified whole, so no
+                # sampled node's verification depends on its own token or on a later sibling's
+                node = first.get((above, token)) if q is None else None
                 if node is None:
                     node = len(tokens)
                     tokens.append(token)
@@ -311,8 +341,7 @@ class AutoDrafter(Drafter):
                     probs.append(q)
                     scores.append(draft.scores[j] if draft.scores is not None else None)
                     sources.append(part.name)
-                    if q is None:
-                        deterministic[(above, token)] = node
+                    first.setdefault((above, token), node)
                 part.nodes.append(node)
         if not tokens:
             return None
@@ -324,12 +353,13 @@ class AutoDrafter(Drafter):
             # in a batch the engine says what the round cost this row (its drafting, its share of the
             # forward): the time since the round began is filled by every row's drafting alike
             seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start)
-            self._gate.record(self._used_model, len(outcome.accepted) + 1, seconds)
+            for group, gate in self._deciding.items():
+                gate.record(self._used[group], len(outcome.accepted) + 1, seconds)
         for part in self.parts:
             part.drafter.observe(ctx, self._outcome_for(part, outcome))
             part.draft = None
-        self._proposed = self._used_model = False
-        self._gate = None
+        self._proposed = False
+        self._deciding, self._used = {}, {}
 
     def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
         """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own
