@@ -196,3 +196,47 @@ def test_the_draft_model_and_heads_are_gated_apart():
     assert drafter.propose(ctx).tokens == [5, 7]
     drafter.gate(1, "draft model")._skip = 10_000
     assert drafter.propose(ctx).tokens == [7]
+
+
+def test_a_groups_round_without_it_is_estimated_on_the_same_round():
+    """What heads brought in a round: the accepted path cut before their first own node (the target's
+    token committed there instead), their drafting and their nodes' share of the forward saved."""
+    from speculum.drafters.auto import _Part
+
+    ngram = _Fixed(Draft([5, 6], [-1, 0]))  # 5 -> 6
+    heads = _Fixed(Draft([5, 7, 9], [-1, 0, -1]))  # 5 -> 7 ; 9 (its 5 is the n-gram's too)
+    drafter = AutoDrafter.__new__(AutoDrafter)
+    drafter.parts = [_Part("anpd", ngram, ngram.draft), _Part("medusa", heads, heads.draft)]
+    drafter._drafting = {"heads": 0.004}
+    merged = drafter._merged()
+    assert merged.tokens == [5, 6, 7, 9]
+    tree = TokenTree.from_draft(1, merged)
+    target = TargetOutputs(tree, torch.zeros(len(tree), VOCAB), SamplingParams(), None)
+    cost = CostModel([(1, 0.010), (3, 0.012), (5, 0.020)])
+    outcome = Outcome([5, 7], [0, 2], 4, len(tree) - 1, merged, target, stats={"node_cost": cost})
+    tokens, seconds = drafter._without("heads", outcome, 0.030)
+    assert tokens == 2  # 5, then the target's own 7 (the bonus), not 5, 7 and the bonus
+    assert seconds == pytest.approx(0.030 - 0.004 - (0.020 - 0.012))  # 2 of the 4 nodes were the heads'
+    # a round where the n-gram chain was accepted whole: the heads brought nothing
+    outcome = Outcome([5, 6], [0, 1], 4, len(tree) - 1, merged, target, stats={"node_cost": cost})
+    assert drafter._without("heads", outcome, 0.030)[0] == 3
+    assert drafter._without("heads", Outcome([5, 6], [0, 1], 4, 4, merged, target), 0.03) is None  # no cost model
+
+
+def test_the_paired_gate_stops_heads_that_cost_more_than_they_bring_through_bursts():
+    """Bursty rounds (an n-gram copy of 8 tokens now and then) do not hide heads that add 0.2 tokens
+    a round for a fifth more time, and once they add 2 tokens a round they run again within one
+    back-off, every round (no round is spent without them to measure that side)."""
+    gate = ModelGate(max_backoff=8)
+    used = []
+    for i in range(120):
+        use = gate.use()
+        used.append(use)
+        base = 8 if i % 5 == 0 else 1  # what the n-gram drafters give this round, with or without heads
+        adds = 0.2 if i < 60 else 2.0
+        if use:
+            gate.record(True, base + adds, 0.012, without=(base, 0.010))
+        else:
+            gate.record(False, base, 0.010)
+    assert sum(used[20:60]) <= 3 * (40 // 8 + 1)  # backed off: probes only
+    assert all(used[60 + 8 + 3 :])  # noticed within a back-off and a probe, then kept

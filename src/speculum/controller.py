@@ -325,6 +325,14 @@ class Controller:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
         return 1.0 / max(seconds, 1e-9)
 
+    def row_cost(self, rows: int = 1):
+        """n -> seconds: what a forward over an n-node tree (root included) costs one row of a batch
+        of ``rows``, by the cost model (alone: t(n))."""
+        if rows <= 1:
+            return self.cost
+        cost = self.cost
+        return lambda n: cost.batch(rows, n) / rows
+
     def wants_draft(self, rows: int = 1, step: object = None) -> bool:
         """Whether to ask the drafter this round (False: a plain step); ``rows`` > 1: in ``step`` of
         a batch of that many rows, where the configuration's batch verdict has a say too."""

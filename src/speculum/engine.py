@@ -214,6 +214,8 @@ class Row:
             )
             if rows > 1:  # what the round cost this row: its own drafting and its share of the forward
                 outcome.stats["row_seconds"] = (self.t1 - self.t0) + (t2 - tf) / rows
+            if request.controller is not None:  # what a forward over n nodes costs this row, modelled
+                outcome.stats["node_cost"] = request.controller.row_cost(rows)
             request.drafter.observe(ctx, outcome)
         t4 = time.perf_counter()
         own_draft = (self.t1 - self.t0) + (t4 - t3)

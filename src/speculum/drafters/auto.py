@@ -9,9 +9,10 @@ composed tree does not promise), and so is Ouroboros (its draft model and its ph
 
 Each round the cheap drafters propose; the costly ones (the draft model, heads: each runs model
 layers and an output layer as wide as the vocabulary) propose only while the rounds that ran them
-have paid more per second than the rounds that did not (measured goodput, explored again after a
-back-off of 1, 2, 4, ... rounds, as the controller does for drafting at all), the draft model and
-the heads each judged apart (``GATE_GROUPS``). The proposals are
+have paid more per second than the same rounds would have without them (measured goodput against
+the round with their drafting, their nodes' share of the forward and the tokens only they brought
+taken out; explored again after a back-off of 1, 2, 4, ... rounds, as the controller does for
+drafting at all), the draft model and the heads each judged apart (``GATE_GROUPS``). The proposals are
 merged into one draft, the draft model's chain first: a deterministic node (n-gram, heads) becomes
 one with an earlier node holding its token below the same parent (the draft model's, else the
 first drafter listed keeps it), sampled branches stay apart (each is an independent sample, which
@@ -110,8 +111,16 @@ class ModelGate:
     """Whether to run a group of costly drafters (a draft model, or heads) this round: while rounds with them pay
     more per second than rounds without them; after they stop paying they are tried again after 1,
     2, 4, ... ``max_backoff`` rounds (grown past it, as the controller's back-off is, until a probe
-    loses at most ``exploration`` of the time), for a probe of a few rounds. While they run, one
-    round in ``refresh`` goes without them, to keep that side's measure fresh.
+    loses at most ``exploration`` of the time), for a probe of a few rounds.
+
+    "Without them" is measured on the same rounds where it can be (``record``'s ``without``: what
+    the round would have committed had only the other drafters' nodes been verified, and what it
+    would have cost without the group's drafting and its nodes' share of the forward): paired,
+    so a burst of n-gram copies lifts both sides alike. Comparing rounds with the heads against
+    other rounds without them let chance decide (issue #18: greedy n-gram rounds are too bursty
+    for the two averages to settle in a few rounds, and Gemma's Medusa heads ran where they cost
+    more than they brought). Without that estimate, one round in ``refresh`` goes without them,
+    to keep that side's measure fresh.
 
     A round is one decision (``use``) and what it gave (``record``), summed over the rows it was
     made for: in a batch, one gate decides for every row of the configuration at once (their draft
@@ -125,7 +134,8 @@ class ModelGate:
         self._skip, self._probe = 0, False
         self._refreshing = False  # the rounds skipped are a refresh of the other side, not a back-off
         self._since_refresh = 0
-        self._pending: dict[bool, list[float]] = {}  # used -> [tokens, seconds, rows] of the round so far
+        # used -> [tokens, seconds, rows, tokens without, seconds without, rows with that estimate]
+        self._pending: dict[bool, list[float]] = {}
 
     def copied(self) -> ModelGate:
         """A copy without the round in progress (a larger batch size starts from it)."""
@@ -142,22 +152,34 @@ class ModelGate:
         self._refreshing = False
         return True
 
-    def record(self, used: bool, tokens: int, seconds: float) -> None:
-        """One row's part of the round decided last (learned from at the next decision)."""
-        pending = self._pending.setdefault(used, [0.0, 0.0, 0])
+    def record(self, used: bool, tokens: int, seconds: float, without: tuple[float, float] | None = None) -> None:
+        """One row's part of the round decided last (learned from at the next decision);
+        ``without``: for a round that ran the group, (tokens, seconds) the round would have given
+        without it (see the class docstring)."""
+        pending = self._pending.setdefault(used, [0.0, 0.0, 0, 0.0, 0.0, 0])
         pending[0] += tokens
         pending[1] += seconds
         pending[2] += 1
+        if used and without is not None:
+            pending[3] += without[0]
+            pending[4] += without[1]
+            pending[5] += 1
 
     def _fold(self) -> None:
         pending, self._pending = self._pending, {}
-        for used, (tokens, seconds, rows) in pending.items():
-            self._learn(used, tokens / rows, seconds / rows, rows)
+        for used, (tokens, seconds, rows, tokens_without, seconds_without, paired) in pending.items():
+            without = (tokens_without / paired, seconds_without / paired, paired) if paired else None
+            self._learn(used, tokens / rows, seconds / rows, rows, without)
 
-    def _learn(self, used: bool, tokens: float, seconds: float, rows: int) -> None:
+    def _learn(
+        self, used: bool, tokens: float, seconds: float, rows: int, without: tuple[float, float, int] | None
+    ) -> None:
         if not used:
             self.without_model.add(tokens, seconds, rows=rows)
             return
+        if without is not None:
+            # measured on these very rounds (a probe restarts both sides alike)
+            self.without_model.add(without[0], without[1], fresh=self._probe, rows=without[2])
         self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
         cheap = self.without_model.rate
         if cheap is not None:  # rounds without the model this one round lost, per row
@@ -170,6 +192,8 @@ class ModelGate:
             self._since_refresh = 0
             return
         self.backoff.won()
+        if without is not None:
+            return  # the other side was measured on this very round: none need go without them
         self._since_refresh += 1
         if cheap is None or self._since_refresh >= self.refresh:
             # one round without them: measure that side (again)
@@ -222,6 +246,7 @@ class AutoDrafter(Drafter):
         self.groups = list(dict.fromkeys(GATE_GROUPS[n] for n in self.names if n in GATE_GROUPS))
         self._deciding: dict[str, ModelGate] = {}  # group -> the gate that decided this round
         self._used: dict[str, bool] = {}  # group -> whether it runs this round
+        self._drafting: dict[str, float] = {}  # group -> seconds its drafters took this round (this row's)
         self._proposed = False  # propose ran this round (the controller may have chosen a plain step)
         self._round_start = 0.0
 
@@ -261,8 +286,16 @@ class AutoDrafter(Drafter):
         self._round_start = time.perf_counter()
         self._proposed = True
         self._deciding = gates
+        self._drafting = {}
         for part in self.parts:
             part.draft = None
+
+    def _drafted(self, part: _Part, draft: Draft | None, seconds: float) -> None:
+        """``part``'s proposal this round, and what drafting it cost this row."""
+        part.draft = draft if draft is not None and len(draft) else None
+        if part.name in GATE_GROUPS:
+            group = GATE_GROUPS[part.name]
+            self._drafting[group] = self._drafting.get(group, 0.0) + seconds
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         gates = {group: self.gate(ctx.rows, group) for group in self.groups}
@@ -271,8 +304,9 @@ class AutoDrafter(Drafter):
         for part in self.parts:
             if not self._runs(part):
                 continue
+            began = time.perf_counter()
             draft = part.drafter.propose(ctx)
-            part.draft = draft if draft is not None and len(draft) else None
+            self._drafted(part, draft, time.perf_counter() - began)
         return self._merged()
 
     @property
@@ -295,12 +329,14 @@ class AutoDrafter(Drafter):
             if not rows:
                 continue
             parts = [d.parts[k].drafter for d, _ in rows]
+            began = time.perf_counter()
             if len(rows) > 1 and getattr(parts[0], "batch_key", None) is not None:
                 drafts = type(parts[0]).propose_rows(parts, [ctx for _, ctx in rows])
             else:
                 drafts = [p.propose(ctx) for p, (_, ctx) in zip(parts, rows, strict=True)]
+            share = (time.perf_counter() - began) / len(rows)  # each row's part of the drafting
             for (d, _), draft in zip(rows, drafts, strict=True):
-                d.parts[k].draft = draft if draft is not None and len(draft) else None
+                d._drafted(d.parts[k], draft, share)
         return [drafter._merged() for drafter in drafters]
 
     @property
@@ -353,13 +389,40 @@ class AutoDrafter(Drafter):
             # in a batch the engine says what the round cost this row (its drafting, its share of the
             # forward): the time since the round began is filled by every row's drafting alike
             seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start)
+            tokens = len(outcome.accepted) + 1
             for group, gate in self._deciding.items():
-                gate.record(self._used[group], len(outcome.accepted) + 1, seconds)
+                used = self._used[group]
+                gate.record(used, tokens, seconds, self._without(group, outcome, seconds) if used else None)
         for part in self.parts:
             part.drafter.observe(ctx, self._outcome_for(part, outcome))
             part.draft = None
         self._proposed = False
         self._deciding, self._used = {}, {}
+
+    def _without(self, group: str, outcome: Outcome, seconds: float) -> tuple[float, float] | None:
+        """What this round would have given without ``group``'s drafters: (tokens committed,
+        seconds). The accepted path stops before its first node only the group proposed (there
+        the target's own token is committed instead, as the bonus), and the round costs the
+        group's drafting less, and the forward ``node_cost(n) - node_cost(n - k)`` less for its k
+        nodes verified (the engine's cost model; None without one)."""
+        node_cost = outcome.stats.get("node_cost")
+        target = outcome.target
+        if node_cost is None or target is None:
+            return None
+        own: set[int] = set()  # merged nodes the group proposed
+        others: set[int] = set()  # merged nodes another drafter proposed
+        for part in self.parts:
+            if part.draft is not None:
+                (own if GATE_GROUPS.get(part.name) == group else others).update(part.nodes)
+        own -= others
+        accepted = outcome.accepted_nodes
+        cut = next((i for i, node in enumerate(accepted) if node in own), len(accepted))
+        node_of = target.tree.node_of
+        verified = {node_of[j] for j in own if j < len(node_of) and node_of[j] >= 0}
+        verified -= {node_of[j] for j in others if j < len(node_of) and node_of[j] >= 0}
+        n = outcome.drafted + 1  # the tree verified, root included
+        saved = self._drafting.get(group, 0.0) + max(node_cost(n) - node_cost(n - len(verified)), 0.0)
+        return cut + 1.0, max(seconds - saved, 1e-6)
 
     def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
         """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own

@@ -200,7 +200,8 @@ class Outcome:
     draft: Draft | None = None  # the draft as proposed
     target: TargetOutputs | None = None
     # what the engine measured of the step; in a batch, "row_seconds": the round's cost to this row
-    # (its own drafting and its share of the forward)
+    # (its own drafting and its share of the forward); with a controller, "node_cost": n -> seconds
+    # a forward over an n-node tree (root included) costs this row, by the controller's cost model
     stats: dict = field(default_factory=dict)
 
 
