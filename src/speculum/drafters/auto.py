@@ -281,11 +281,11 @@ class AutoDrafter(Drafter):
         """Whether ``part`` proposes this round (the cheap ones always)."""
         return part.name not in GATE_GROUPS or self._used[GATE_GROUPS[part.name]]
 
-    def _decide(self, gates: dict[str, ModelGate]) -> None:
-        """This round's decisions (``gates``' ``use``, made once for every row of a batch)."""
+    def _decide(self, gates: dict[str, ModelGate], used: dict[str, bool]) -> None:
+        """This round's decisions (``used``: ``gates``' ``use``, made once for every row of a batch)."""
         self._round_start = time.perf_counter()
         self._proposed = True
-        self._deciding = gates
+        self._deciding, self._used = gates, used
         self._drafting = {}
         for part in self.parts:
             part.draft = None
@@ -299,8 +299,7 @@ class AutoDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         gates = {group: self.gate(ctx.rows, group) for group in self.groups}
-        self._decide(gates)
-        self._used = {group: gate.use() for group, gate in gates.items()}
+        self._decide(gates, {group: gate.use() for group, gate in gates.items()})
         for part in self.parts:
             if not self._runs(part):
                 continue
@@ -322,8 +321,7 @@ class AutoDrafter(Drafter):
         used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
         # draft model runs for all of them or none
         for drafter in drafters:
-            drafter._decide(gates)
-            drafter._used = used
+            drafter._decide(gates, used)
         for k in range(len(drafters[0].parts)):
             rows = [(d, ctx) for d, ctx in zip(drafters, ctxs, strict=True) if d._runs(d.parts[k])]
             if not rows:
