@@ -183,8 +183,15 @@ speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 
 # the same Gemma run's auto at 9b4fafb (the gates before they were paired), from a worktree of it
 git worktree add /tmp/old-gate 9b4fafb && PYTHONPATH=/tmp/old-gate/src speculum bench $G --dtype float32 \
   --max-new-tokens 128 --out $OUT/i18/gemma-fp32-oldgate --methods "autoregressive,auto"
+# fifth pass: seeded sampling by position noise (the seed's text with every method, the controller on):
+# what it costs a draft model's acceptance (exact replay of the T=1 texts above), then T=1 timed again
+python benchmarks/coupled_acceptance.py $OUT/i18/qwen-t1-64-v2 --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1-v6 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $Q --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-64-v3 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,auto"
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
-    qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5; do
+    qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5 gemma-fp32-t1-v6 qwen-t1-64-v3; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
 

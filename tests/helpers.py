@@ -26,11 +26,14 @@ def build_drafter(method: str, draft_model=None, vocab_size: int = 64, target=No
 
 
 def generate_ids(
-    model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset(), lazy_head=None
-):
+    model, prompt, drafter, max_new_tokens=32, sampling=None, generator=None, eos=frozenset(), lazy_head=None,
+    noise=None,
+):  # fmt: skip
     stats = Stats()
     runner = ModelRunner(model, lazy_head=lazy_head)
-    steps = engine.run(runner, prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats)
+    steps = engine.run(
+        runner, prompt, drafter, sampling or SamplingParams(), max_new_tokens, eos, generator, stats, noise=noise
+    )
     return [t for step in steps for t in step], stats
 
 

@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from speculum.drafters.base import Draft
-from speculum.sampling import SamplingParams, warp
+from speculum.sampling import PositionNoise, SamplingParams, warp
 from speculum.tree import TokenTree
 from speculum.verify import verify
 
@@ -101,16 +101,21 @@ def propose(kind, rng, tokens, draft_table, sampling):
     return Draft(toks, parents, torch.stack(probs))
 
 
-def run_trials(kind, sampling, seed=0):
+def run_trials(kind, sampling, seed=0, coupled=False):
+    """``coupled``: each trial samples by a ``PositionNoise`` of its own (a seeded request's rule)."""
     target, draft_table = tables(seed)
     rng = torch.Generator().manual_seed(seed + 100)
     counts = dict.fromkeys(itertools.product(range(V), repeat=STEPS), 0)
     for _ in range(TRIALS):
         tokens = [0]
+        noise = PositionNoise(torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=rng))))
         while len(tokens) <= STEPS:
             tree = TokenTree.from_draft(tokens[-1], propose(kind, rng, tokens, draft_table, sampling))
             logits = markov_logits(target, tree.tokens)
-            verdict = verify(tree, logits, sampling, rng)
+            if coupled:
+                verdict = verify(tree, logits, sampling, noise=noise, position=len(tokens) - 1)
+            else:
+                verdict = verify(tree, logits, sampling, rng)
             tokens += [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
         counts[tuple(tokens[1 : STEPS + 1])] += 1
     return counts, exact_joint(target, sampling)
@@ -139,6 +144,67 @@ def test_rule_matches_target_distribution(kind):
 def test_rule_with_top_k_top_p(kind):
     counts, exact = run_trials(kind, SamplingParams(temperature=1.3, top_k=3, top_p=0.9), seed=1)
     assert_same_distribution(counts, exact)
+
+
+@pytest.mark.parametrize("kind", ["det-tree", "sto-chain", "mixed-tree"])
+def test_the_seeded_rule_matches_target_distribution(kind):
+    counts, exact = run_trials(kind, SamplingParams(temperature=0.8), coupled=True)
+    assert_same_distribution(counts, exact)
+    counts, exact = run_trials(kind, SamplingParams(temperature=1.3, top_k=3, top_p=0.9), seed=1, coupled=True)
+    assert_same_distribution(counts, exact)
+
+
+def test_a_seeded_text_does_not_depend_on_the_draft():
+    """The same noise gives the same tokens whether nothing, a random tree or the noise's own pick
+    from the draft distribution was drafted (only how many forwards it took changes)."""
+    target, draft_table = tables(2)
+    sampling = SamplingParams(temperature=1.0)
+    rng = torch.Generator().manual_seed(9)
+    accepted = 0
+    for trial in range(200):
+        texts = []
+        for kind in ("none", "det-tree", "sto-chain", "noise"):
+            noise, tokens = PositionNoise(torch.Generator().manual_seed(trial)), [0]
+            while len(tokens) <= 6:
+                if kind == "none":
+                    draft = None
+                elif kind == "noise":  # a chain drafted by the very noise the target samples with
+                    q = warp(torch.log(draft_table), sampling)
+                    chain = [noise.choose(q[tokens[-1]], len(tokens) - 1)]
+                    chain.append(noise.choose(q[chain[-1]], len(tokens)))
+                    draft = Draft(chain, [-1, 0], q[[tokens[-1], chain[0]]])
+                else:
+                    draft = propose(kind, rng, tokens, draft_table, sampling)
+                tree = TokenTree.from_draft(tokens[-1], draft)
+                logits = markov_logits(target, tree.tokens)
+                verdict = verify(tree, logits, sampling, noise=noise, position=len(tokens) - 1)
+                accepted += verdict.num_accepted
+                tokens += [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
+            texts.append(tokens[:7])
+        assert texts[1:] == texts[:-1], f"trial {trial}: {texts}"
+    assert accepted > 200  # drafts were accepted, so the check saw more than plain steps
+
+
+def test_position_noise_draws_follow_the_distribution_over_many_blocks():
+    """``PositionNoise`` picks a block by its mass, then a token inside it: across positions (fresh
+    noise each) a vocabulary that is not a multiple of the block, zeros and uneven masses come out
+    right; a position's token does not depend on the order positions are asked in."""
+    from speculum.sampling import SAMPLE_BLOCK
+
+    vocab = 3 * SAMPLE_BLOCK + 37
+    probs = torch.zeros(vocab)
+    hot = [0, SAMPLE_BLOCK - 2, SAMPLE_BLOCK + 3, 2 * SAMPLE_BLOCK + 5, vocab - 1]
+    probs[hot] = torch.tensor([0.1, 0.25, 0.15, 0.2, 0.3]) * 7.0  # unnormalised; blocks 0 and 1 hold two each
+    noise = PositionNoise(torch.Generator().manual_seed(0))
+    draws = [noise.choose(probs, i) for i in range(5000)]
+    assert set(draws) <= set(hot)
+    _, pvalue = chisquare([draws.count(t) for t in hot], [500.0, 1250.0, 750.0, 1000.0, 1500.0])
+    assert pvalue > 1e-3
+    backwards = PositionNoise(torch.Generator().manual_seed(0))
+    assert [backwards.choose(probs, i) for i in reversed(range(50))] == draws[:50][::-1]
+    backwards.forget(10)
+    with pytest.raises(RuntimeError):
+        backwards.choose(probs, 3)  # committed and forgotten: asking again is a bug
 
 
 def test_one_draw_follows_the_distribution_over_many_blocks():
@@ -172,6 +238,42 @@ def test_the_test_detects_a_wrong_rule():
         counts[tuple(tokens[1:])] += 1
     with pytest.raises(AssertionError):
         assert_same_distribution(counts, exact_joint(target, sampling))
+
+
+@pytest.mark.parametrize(
+    "method", ["prompt_lookup", "anpd", "lookahead", "draft_model", "ouroboros", "medusa", "ctc", "random_tree"]
+)
+def test_a_seeded_request_gives_plain_samplings_text_with_every_method(method, trained_heads):
+    """Through the engine and a transformer, a seeded sampled request gives the very text plain
+    sampling with that seed gives, whatever drafts, and a draft model's chain is accepted."""
+    from helpers import RandomTreeDrafter
+
+    model = tiny_model("llama", vocab_size=16)
+    draft = _draft_for(model, 16)
+    prompt = [3, 4, 5] + reference_greedy(model, [3, 4, 5], 12)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)
+    params = {
+        "lookahead": {"window_size": 3, "ngram_size": 4, "pool_from_prompt": True},
+        "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},
+        "medusa": {"heads": trained_heads["medusa"], "tree_nodes": 12},
+        "ctc": {"heads": trained_heads["ctc"], "tree_nodes": 12},
+    }.get(method, {"num_speculative_tokens": 3})
+
+    def text(drafter, seed):
+        noise = PositionNoise(torch.Generator().manual_seed(seed))
+        return generate_ids(model, prompt, drafter, 24, sampling, noise.generator, noise=noise)
+
+    accepted = 0
+    for seed in range(6):
+        plain, _ = text(build_drafter("autoregressive"), seed)
+        if method == "random_tree":
+            drafter = RandomTreeDrafter(plain, 16, seed=seed)  # (trees that hold the text's tokens, partly)
+        else:
+            drafter = build_drafter(method, draft, 16, target=model, **params)
+        out, stats = text(drafter, seed)
+        assert out == plain, f"seed {seed}"
+        accepted += stats.accepted_tokens
+    assert accepted > 0
 
 
 def _first_tokens_exact(model, prompt, sampling, n):

@@ -17,7 +17,7 @@ from speculum.errors import InvalidInputError
 from speculum.methods import DEFAULT_METHOD, SpeculativeConfig
 from speculum.models import eos_token_ids, vocab_fingerprint
 from speculum.runner import ModelRunner
-from speculum.sampling import SamplingParams
+from speculum.sampling import PositionNoise, SamplingParams
 from speculum.stats import Stats
 
 Prompt = str | list[dict] | list[int]
@@ -223,7 +223,7 @@ class Speculum:
         request = requests[0]
         steps = engine.run(
             self.runner, request.prompt_ids, request.drafter, request.sampling, request.max_new_tokens,
-            self.eos_token_ids, request.generator, request.stats, request.controller,
+            self.eos_token_ids, request.generator, request.stats, request.controller, request.noise,
         )  # fmt: skip
         if not stream:
             new_ids = [token for step in steps for token in step]
@@ -255,16 +255,18 @@ class Speculum:
             raise InvalidInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
-        seeded_sampling = seed is not None and not sampling.greedy  # a seed should give the same text again
         controller = None
-        if config.controlled(seeded_sampling):
+        if config.controlled():
             controller = self.controller_for(config, not sampling.greedy)
             controller = controller.for_row() if own_controller else controller
-        elif config.gated_in_batches(seeded_sampling):  # (alone, it leaves the request as it is)
+        elif config.gated_in_batches():  # (alone, it leaves the request as it is)
             controller = self.controller_for(config, not sampling.greedy).for_row(gate_only=True)
+        generator = self._generator(sampling, seed)
+        # a seed gives the same text again, whatever is drafted: sampled by noise fixed per position
+        noise = PositionNoise(generator) if seed is not None and generator is not None else None
         return engine.Request(
             list(prompt_ids), drafter, sampling, max_new_tokens, self.eos_token_ids,
-            self._generator(sampling, seed), Stats(), controller,
+            generator, Stats(), controller, noise,
         )  # fmt: skip
 
     def _generator(self, sampling: SamplingParams, seed: int | None) -> torch.Generator | None:

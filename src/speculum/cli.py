@@ -73,7 +73,7 @@ def generate(
         typer.Option(
             "--controller/--no-controller",
             help="Let the controller decide each round whether drafting pays and what to verify "
-            "[default: on; off for draft_model, preset=paper and seeded sampling] "
+            "[default: on; off for draft_model and preset=paper] "
             "(--no-controller: the method as published).",
         ),
     ] = None,  # fmt: skip

@@ -25,7 +25,7 @@ from speculum.controller import Controller
 from speculum.drafters.base import DraftContext, Drafter, Outcome, TargetOutputs
 from speculum.errors import InvalidInputError
 from speculum.runner import ModelRunner, StepOutput
-from speculum.sampling import SamplingParams
+from speculum.sampling import PositionNoise, SamplingParams
 from speculum.stats import Stats
 from speculum.tree import MAX_DRAFT_NODES, TokenTree
 from speculum.verify import Verdict, verify
@@ -43,6 +43,7 @@ class Request:
     generator: torch.Generator | None = None
     stats: Stats = field(default_factory=Stats)
     controller: Controller | None = None  # decides what to draft and verify (None: the proposal as it is)
+    noise: PositionNoise | None = None  # a seeded sampled request's: its text whatever is drafted
 
 
 def check(runner: ModelRunner, request: Request) -> Request:
@@ -72,12 +73,14 @@ def run(
     generator: torch.Generator | None = None,
     stats: Stats | None = None,
     controller: Controller | None = None,
+    noise: PositionNoise | None = None,
 ) -> Iterator[list[int]]:
     """Generate one request; the returned iterator yields the tokens committed at each step and
     fills ``stats``. ``controller``: decides each round whether to draft and which draft nodes to
-    verify (None: the drafter's proposal is verified as it is)."""
+    verify (None: the drafter's proposal is verified as it is); ``noise``: sample by it (the same
+    text whatever is drafted) instead of by ``generator``."""
     stats = stats if stats is not None else Stats()
-    request = Request(prompt_ids, drafter, sampling, max_new_tokens, eos_token_ids, generator, stats, controller)
+    request = Request(prompt_ids, drafter, sampling, max_new_tokens, eos_token_ids, generator, stats, controller, noise)
     return _one(runner, check(runner, request))
 
 
@@ -175,7 +178,10 @@ class Row:
         self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
 
     def verify(self, out: StepOutput) -> Verdict:
-        return verify(self.tree, out.logits, self.request.sampling, self.request.generator)
+        request, position = self.request, self.stats.new_tokens
+        if request.noise is not None:
+            request.noise.forget(position)
+        return verify(self.tree, out.logits, request.sampling, request.generator, request.noise, position)
 
     def commit(
         self, verdict: Verdict, out: StepOutput, forward: tuple[float, float], rows: int, padded: int
@@ -317,7 +323,7 @@ class Batch:
         prefill_hidden = None if not hidden else hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         ctx = DraftContext(
             joining.tokens, len(joining.tokens), request.sampling, request.generator, 0, request.eos_token_ids,
-            self.runner.output_device, prefill_hidden,
+            self.runner.output_device, prefill_hidden, noise=request.noise,
             wants_scores=request.controller is not None and not request.controller.gate_only,
         )  # fmt: skip
         t = time.perf_counter()

@@ -141,35 +141,28 @@ class SpeculativeConfig:
         part of it); list values such as tree choices become tuples."""
         return (self.method, self.num_speculative_tokens, self.preset, _frozen(sorted(self.params.items(), key=str)))
 
-    def controlled(self, seeded_sampling: bool = False) -> bool:
+    def controlled(self) -> bool:
         """Whether the controller runs for this config (never for plain decoding: nothing to decide;
         always for ``auto`` unless turned off: choosing what pays is what ``auto`` is).
 
-        The controller decides on measured times, so which rounds draft changes from run to run, and
-        with them how many random numbers sampling draws: the text stays exactly distributed but a
-        seed no longer pins it. A sampled request with a ``seed`` therefore runs a named method
-        without it unless ``controller=True`` is asked for (``auto`` cannot: it has nothing to run
-        without measuring)."""
+        The controller decides on measured times, so which rounds draft changes from run to run; a
+        seed still pins a sampled text, which is sampled by noise fixed per position
+        (``PositionNoise``) and so does not depend on what was drafted."""
         if self.method == "auto":
             default = True
         else:  # the published settings are the published method: no controller unless asked for
             measured_better = self.method not in UNCONTROLLED_BY_DEFAULT
-            default = DEFAULT_CONTROLLER and measured_better and self.preset != "paper" and not seeded_sampling
+            default = DEFAULT_CONTROLLER and measured_better and self.preset != "paper"
         wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
 
-    def gated_in_batches(self, seeded_sampling: bool = False) -> bool:
+    def gated_in_batches(self) -> bool:
         """Whether rows of this uncontrolled config get, in a batch, a controller that only decides
         whether they draft (``Controller.gate_only``): a method measured better without the
         controller alone (``UNCONTROLLED_BY_DEFAULT``) still must not cost a batch more than it
         gives (issue #19: a 0.5B draft model's chains beside a batched 1.5B step ran at 0.57-0.86x
-        batched plain decoding). Not with ``controller=False``, the paper preset or a seeded sample."""
-        return (
-            self.method in UNCONTROLLED_BY_DEFAULT
-            and self.controller is None
-            and self.preset != "paper"
-            and not seeded_sampling
-        )
+        batched plain decoding). Not with ``controller=False`` or the paper preset."""
+        return self.method in UNCONTROLLED_BY_DEFAULT and self.controller is None and self.preset != "paper"
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())

@@ -13,7 +13,10 @@ Rules, all lossless:
   child x with probability min(1, p(x)/q(x)); after a rejection p <- norm(max(p - q, 0)). A
   deterministic child is the same rule with a one-hot q (accept with p(x), then zero p(x)). For a
   chain this is Leviathan/Chen speculative sampling; for a tree, SpecInfer's multi-candidate rule,
-  which stays exact for any mix as long as each child was drawn independently of its siblings.
+  which stays exact for any mix as long as each child was drawn independently of its siblings;
+- sampling with a seed (``PositionNoise``): the target's token at each node is the one the noise of
+  that position picks from p, whatever the tree holds; follow the child holding it. The text is
+  then plain sampling's with the same seed, for every method and every controller decision.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculum.sampling import SamplingParams, sample, warp
+from speculum.sampling import PositionNoise, SamplingParams, sample, warp
 from speculum.tree import TokenTree
 
 
@@ -42,9 +45,15 @@ def verify(
     logits,
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
+    noise: PositionNoise | None = None,
+    position: int = 0,
 ) -> Verdict:
+    """``noise``: a seeded request's, with ``position`` the generated position of the token after
+    the root (tokens generated so far)."""
     if sampling.greedy:
         return _verify_greedy(tree, logits)
+    if noise is not None:
+        return _verify_coupled(tree, logits, sampling, noise, position)
     return _verify_sampled(tree, logits, sampling, generator)
 
 
@@ -74,6 +83,16 @@ class _LazyArgmax:
 
     def __getitem__(self, node: int) -> int:
         return int(self.logits[node].argmax())
+
+
+def _verify_coupled(tree: TokenTree, logits, sampling: SamplingParams, noise: PositionNoise, position: int) -> Verdict:
+    path = [0]
+    while True:
+        token = noise.choose(warp(logits[path[-1]], sampling)[0], position + len(path) - 1)
+        child = _child_with_token(tree, path[-1], token)
+        if child is None:
+            return Verdict(path, token)
+        path.append(child)
 
 
 def _verify_sampled(tree: TokenTree, logits, sampling: SamplingParams, generator: torch.Generator | None) -> Verdict:

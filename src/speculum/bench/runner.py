@@ -408,6 +408,7 @@ def run_bench(
         kept.append(m)
     mspecs = kept
     labels = [m.label for m in mspecs]
+    by_label = {m.label: m for m in mspecs}
     configs = {m.label: m.to_config() for m in mspecs if not m.is_transformers}
 
     baseline = next((m.label for m in mspecs if m.name == "autoregressive" and not m.params), None)
@@ -416,9 +417,16 @@ def run_bench(
     greedy = not temperature or temperature <= 0
     if baseline is None:
         notes.append("no baseline (autoregressive or hf_generate) among the methods: no speedup, no equality check")
+    # a seeded sample is the seed's text whatever speculum drafts (PositionNoise): checked like greedy
+    # output, for speculum's methods against speculum's plain decoding (transformers samples otherwise)
+    seeded_check = not greedy and seed is not None and baseline is not None and not by_label[baseline].is_transformers
     if check_lossless and not greedy:
-        notes.append("temperature > 0: outputs are samples, so the token-equality check is skipped")
-    do_check = check_lossless and greedy and baseline is not None
+        notes.append(
+            "temperature > 0 with a seed: speculum's outputs are checked against plain decoding's seeded text"
+            if seeded_check
+            else "temperature > 0 without a seed: outputs are samples, so the token-equality check is skipped"
+        )
+    do_check = check_lossless and baseline is not None and (greedy or seeded_check)
 
     prompts = datasets if isinstance(datasets, dict) else load_datasets(datasets, limit)
     if isinstance(datasets, dict) and limit is not None:
@@ -495,7 +503,7 @@ def run_bench(
                 rec = by_method.get(label)
                 if rec is None:
                     continue
-                if base is not None:
+                if base is not None and (greedy or not by_label[label].is_transformers):
                     fm = compare_tokens(rec["token_ids"], base["token_ids"])
                     rec["equal_to_baseline"] = fm is None
                     rec["first_mismatch"] = fm

@@ -26,7 +26,7 @@ import torch
 
 from speculum.errors import InvalidInputError
 from speculum.runner import LazyLogits, ModelRunner, has_plain_head
-from speculum.sampling import SamplingParams, warp
+from speculum.sampling import PositionNoise, SamplingParams, warp
 from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 __all__ = [
@@ -118,6 +118,9 @@ class DraftContext:
     wants_scores: bool = False
     # Rows in the batch this step (the engine sets it; 1: decoding alone).
     rows: int = 1
+    # A seeded sampled request's noise: a drafter that samples picks the token at generated
+    # position i with ``noise.choose(q, i)`` (i = len(tokens) - prompt_length + depth).
+    noise: PositionNoise | None = None
 
 
 def token_probability(logits: torch.Tensor, token: int) -> float:

@@ -130,7 +130,10 @@ class DraftRound:
             token = int(logits.argmax())
         else:
             dist = warp(logits, ctx.sampling)[0]
-            token = sample(dist, ctx.generator)
+            if ctx.noise is not None:  # the noise the target samples this position with: they agree more
+                token = ctx.noise.choose(dist, len(ctx.tokens) - ctx.prompt_length + len(self.tokens))
+            else:
+                token = sample(dist, ctx.generator)
         position = len(self.tokens)
         if policy.stop_before(DraftStep(position, token, logits, dist, hidden)):
             return None
