@@ -81,7 +81,9 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option()] = 0,
-    seed: Annotated[int | None, typer.Option()] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Pin a sampled text: the same one with every method (plain sampling's).")
+    ] = None,
     chat: Annotated[bool, typer.Option(help="Apply the chat template (when the model has one).")] = False,
     stream: Annotated[bool, typer.Option(help="Print text as tokens are accepted.")] = True,
     stats: Annotated[bool, typer.Option(help="Print speculation statistics.")] = True,

@@ -82,6 +82,7 @@ class SamplingFields(Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; -1 or 0 = no top-k filter
+    # a seeded sample is the text plain sampling gives with that seed, whatever the method drafts
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
