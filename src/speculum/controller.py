@@ -13,6 +13,7 @@ decoding:
   that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds. Where
   a probe loses much (a lookahead window verified at T=1 costs 1.5 plain steps and gains nothing),
   the back-off grows past ``max_backoff`` until probing loses at most ``exploration`` of the time.
+  A verdict that asking pays halves the next back-off (rounds that keep paying bring it to one).
   Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
   than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
   to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on
@@ -61,6 +62,9 @@ BINS = 10  # calibration bins over a drafter's score in [0, 1]
 DEPTH_BINS = 8  # for unscored nodes: one bin per depth, the last for everything deeper
 SCORED_DEPTH_BINS = 3  # for scored nodes: depth 1, 2, and 3 or deeper
 EXPLORE_EVIDENCE = 8.0  # samples a bin needs before pruning its nodes is trusted without exploring
+# verdicts in a row that asking pays per halving of the next back-off: one burst lifts the goodput
+# average for several rounds, and each of them is a verdict
+WINS_PER_HALVING = 3
 
 
 @dataclass
@@ -144,10 +148,15 @@ class Backoff:
     a probe's loss is at most ``exploration`` of the rounds between probes. The controller, the
     batch verdicts and ``auto``'s model gate all back off this way."""
 
-    def __init__(self, max_backoff: int, exploration: float):
+    def __init__(self, max_backoff: int, exploration: float, patient: bool = False):
         self.max_backoff = max_backoff
         self.exploration = exploration
+        # patient: a win halves the next back-off once per WINS_PER_HALVING wins in a row (the
+        # controller's); otherwise a win starts it again at one round (the batch verdicts and auto's
+        # model gates: with patience, auto ran its Medusa heads for a third fewer tokens at T=1)
+        self.patient = patient
         self.length = 1  # the next back-off's rounds
+        self.wins = 0  # verdicts in a row that asking pays
         self.losses: list[float] = []  # plain rounds each recent drafting round lost (negative: gained)
 
     def note(self, loss: float, fresh: bool, keep: int) -> None:
@@ -156,14 +165,27 @@ class Backoff:
 
     def lost(self) -> int:
         """Drafting does not pay: the rounds to go plain now (and the next back-off doubled, capped)."""
-        rounds = self.length
+        rounds, self.wins = self.length, 0
         cap = max(self.max_backoff, min(8 * self.max_backoff, round(sum(self.losses) / self.exploration)))
         self.length = min(2 * self.length, cap)
         return rounds
 
     def won(self) -> None:
-        """Drafting pays (or a new request begins): the next back-off starts at one round again."""
-        self.length = 1
+        """Drafting paid on the evidence so far. Patient: every ``WINS_PER_HALVING`` such verdicts in
+        a row halve the next back-off, so rounds that keep paying bring it back to one round, and
+        one probe that a burst made look good does not restart the ramp 1, 2, 4, ... (issue #18:
+        lookahead at T=1, whose probes verify whole windows at 1.3-1.5 plain steps, was asked in
+        57% of a request's rounds at a 14% loss while one probe in three caught a 3-token round
+        and started it over)."""
+        self.wins += 1
+        if not self.patient:
+            self.length = 1
+        elif self.wins % WINS_PER_HALVING == 0:
+            self.length = max(1, self.length // 2)
+
+    def reset(self) -> None:
+        """A new request whose prompt decides what drafting gives: back-offs start at one round."""
+        self.length, self.wins = 1, 0
 
 
 class BatchVerdict:
@@ -281,7 +303,7 @@ class Controller:
         self.asked = Goodput(goodput_smoothing, min_evidence)
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
         self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
-        self.backoff = Backoff(max_backoff, exploration)
+        self.backoff = Backoff(max_backoff, exploration, patient=True)
         self._plain_left = 0
         self.probing = False
         self._kept_size = 4.0  # draft nodes verified per round, recently (moving average)
@@ -318,7 +340,7 @@ class Controller:
 
     def start(self) -> None:
         if not self.carry_backoff:
-            self.backoff.won()
+            self.backoff.reset()
             self._plain_left, self.probing = 0, False
 
     def plain_rate(self) -> float:
