@@ -194,9 +194,11 @@ speculum bench $Q --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qw
 speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1-v7 \
   --methods "autoregressive,lookahead,anpd,auto"
 speculum bench $G --dtype float32 --max-new-tokens 128 --out $OUT/i18/gemma-fp32-greedy-v7 --methods "autoregressive,anpd,lookahead,auto"
+speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1-v8 \
+  --methods "autoregressive,prompt_lookup,medusa,ctc,auto"
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
     qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5 gemma-fp32-t1-v6 qwen-t1-64-v3 \
-    gemma-fp32-t1-v7 gemma-fp32-greedy-v7; do
+    gemma-fp32-t1-v7 gemma-fp32-greedy-v7 gemma-fp32-t1-v8; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
 
