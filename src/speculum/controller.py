@@ -13,7 +13,8 @@ decoding:
   that stays bad costs one probe (``min_evidence`` asked rounds) per ``max_backoff`` rounds. Where
   a probe loses much (a lookahead window verified at T=1 costs 1.5 plain steps and gains nothing),
   the back-off grows past ``max_backoff`` until probing loses at most ``exploration`` of the time.
-  A verdict that asking pays halves the next back-off (rounds that keep paying bring it to one).
+  Every three verdicts in a row that asking pays halve the next back-off (rounds that keep paying
+  bring it to one; a single lucky probe does not restart the ramp).
   Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
   than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
   to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on

@@ -119,7 +119,8 @@ class DraftContext:
     # Rows in the batch this step (the engine sets it; 1: decoding alone).
     rows: int = 1
     # A seeded sampled request's noise: a drafter that samples picks the token at generated
-    # position i with ``noise.choose(q, i)`` (i = len(tokens) - prompt_length + depth).
+    # position i with ``noise.choose(q, i)`` (i = len(tokens) - prompt_length + d, d = 0 for the
+    # token right after the root).
     noise: PositionNoise | None = None
 
 
