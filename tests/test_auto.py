@@ -240,3 +240,37 @@ def test_the_paired_gate_stops_heads_that_cost_more_than_they_bring_through_burs
             gate.record(False, base, 0.010)
     assert sum(used[20:60]) <= 3 * (40 // 8 + 1)  # backed off: probes only
     assert all(used[60 + 8 + 3 :])  # noticed within a back-off and a probe, then kept
+
+
+def test_the_model_gate_judges_the_draft_model_without_its_prefill():
+    """The draft model's catching up (its prefill of the prompt) is not held against it by auto's
+    gate: the round it falls in counts what the draft model's drafting costs per round."""
+    import time
+
+    model = tiny_model("llama")
+    drafter = auto(model, perturbed_copy(model, scale=0.1), drafters="draft_model")
+    part = drafter.parts[0].drafter
+    propose = part.propose
+
+    def slow_prefill(ctx):
+        draft = propose(ctx)
+        if part.catch_up_seconds > 0:
+            time.sleep(0.3)
+            part.catch_up_seconds += 0.3
+        return draft
+
+    part.propose = slow_prefill
+    gate = drafter.gate(1, "draft model")
+    judged = []  # the seconds of each round the gate was told of
+    record = gate.record
+    gate.record = lambda used, tokens, seconds, without=None: (
+        judged.append(seconds),
+        record(used, tokens, seconds, without),
+    )
+    stats = Stats()
+    controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))
+    prompt = repetitive_prompt(24, 5, seed=3)
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 20, frozenset(), None, stats, controller)
+    assert [t for step in steps for t in step] == reference_greedy(model, prompt, 20)
+    assert stats.time_draft_catch_up >= 0.3
+    assert len(judged) >= 2 and max(judged) < 0.3  # the first round's, had the prefill counted, is over 0.3 s

@@ -592,3 +592,58 @@ def test_a_seed_gives_the_same_sampled_text_again():
     assert plain.token_ids == runs[0].token_ids
     assert spec.generate(prompt, "anpd", max_new_tokens=30, temperature=0.9, seed=8).token_ids != plain.token_ids
     assert spec.generate(prompt, max_new_tokens=4).method == "auto"  # the default method
+
+
+def test_a_catch_up_forward_is_charged_beyond_a_one_token_step():
+    """A draft forward that feeds committed text (a prompt, the tokens of plain rounds) is charged
+    to catching up beyond what a one-token forward at that batch size costs; before one was timed,
+    by the share of the tokens fed; in a batch, by each row's backlog."""
+    from types import SimpleNamespace
+
+    from speculum.drafters.draft_model import CatchUpClock
+
+    clock = CatchUpClock()
+    row = SimpleNamespace(catch_up_seconds=0.0)
+    clock.charge([row], [11], 1.1)  # no one-token forward timed yet: 10 of the 11 tokens fed
+    assert row.catch_up_seconds == pytest.approx(1.0)
+    clock.charge([row], [1], 0.1)  # a one-token forward: timed, nothing charged
+    assert row.catch_up_seconds == pytest.approx(1.0) and clock.step[1] == pytest.approx(0.1)
+    row.catch_up_seconds = 0.0
+    clock.charge([row], [21], 0.5)
+    assert row.catch_up_seconds == pytest.approx(0.4)
+    row.catch_up_seconds = 0.0
+    clock.charge([row], [3], 0.09)  # faster than a step (noise): nothing, never a negative charge
+    assert row.catch_up_seconds == 0.0
+    a, b, c = (SimpleNamespace(catch_up_seconds=0.0) for _ in range(3))
+    clock.charge([a, b, c], [1, 1, 1], 0.2)  # batches of 3 rows have their own step
+    clock.charge([a, b, c], [1, 3, 5], 0.8)  # 0.6 beyond it: 2 of the backlog's tokens are b's, 4 c's
+    assert (a.catch_up_seconds, b.catch_up_seconds, c.catch_up_seconds) == pytest.approx((0.0, 0.2, 0.4))
+
+
+def test_the_controller_judges_a_round_without_the_drafters_catching_up():
+    """A draft model's prefill of the prompt is paid once for the text: the round it falls in is
+    judged (the controller's goodput, the stats' drafted-round time) without it, and the stats
+    keep it in the draft time (issue #18: charged to one round, it made a 0.5B draft look like a
+    loss on short requests)."""
+    import time
+
+    model = tiny_model("llama")
+    drafter = build_drafter("draft_model", perturbed_copy(model, scale=0.1), VOCAB, num_speculative_tokens=3)
+    propose = drafter.propose
+
+    def slow_prefill(ctx):  # a draft model whose catch-up is slow enough to see
+        draft = propose(ctx)
+        if drafter.catch_up_seconds > 0:
+            time.sleep(0.3)
+            drafter.catch_up_seconds += 0.3
+        return draft
+
+    drafter.propose = slow_prefill
+    controller = Controller(FLAT)
+    stats = Stats()
+    prompt = repetitive_prompt(24, 5, seed=3)
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 20, frozenset(), None, stats, controller)
+    assert [t for step in steps for t in step] == reference_greedy(model, prompt, 20)
+    assert stats.time_draft_catch_up >= 0.3  # the prompt's prefill, at least
+    assert stats.time_draft >= stats.time_draft_catch_up
+    assert stats.drafted_round_time <= stats.wall_time - 0.3  # the rounds as judged: without it

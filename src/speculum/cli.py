@@ -165,7 +165,8 @@ def print_stats(result, config, dtype_choice=None) -> None:
         (
             "time: prefill / draft / verify / other",
             f"{s.time_prefill:.2f}s / {s.time_draft:.2f}s / {s.time_verify:.2f}s / {s.time_other:.2f}s "
-            f"(wall {s.wall_time:.2f}s)",
+            f"(wall {s.wall_time:.2f}s)"
+            + (f"; of the draft time, {s.time_draft_catch_up:.2f}s catching up" if s.time_draft_catch_up else ""),
         ),
     ]
     if s.rounds_drafted or s.rounds_plain:

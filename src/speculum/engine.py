@@ -135,6 +135,7 @@ class Row:
         self.draft = None
         self.tree: TokenTree | None = None
         self.t0 = self.t1 = self.tc = self.planning = 0.0
+        self.catch_up = 0.0  # of this step's drafting: the drafter catching up (Drafter.catch_up_seconds)
 
     @property
     def cached(self) -> int:
@@ -161,18 +162,21 @@ class Row:
         controller = request.controller
         self.t1 = self.t0 + draft_seconds
         start = time.perf_counter()  # (in a batch, the other rows' drafting lies between t1 and now)
+        catch_up = getattr(request.drafter, "catch_up_seconds", 0.0)  # (a duck-typed drafter has none)
+        self.catch_up = min(catch_up, draft_seconds) if self.asked else 0.0
+        judged = draft_seconds - self.catch_up  # what this round's drafting costs the round
         keep = None
         if controller is not None and not controller.gate_only and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(
                 draft, ctx.max_depth, drafter.prunable, drafter.whole_sources,
-                draft_seconds=draft_seconds, rows=rows, floor=floor,
+                draft_seconds=judged, rows=rows, floor=floor,
             )  # fmt: skip
             keep = plan.keep
             stats.nodes_pruned += plan.pruned
             stats.rounds_explored += plan.explored
             stats.predicted_tokens += plan.expected_tokens
-            stats.predicted_time += plan.predicted_seconds + draft_seconds
+            stats.predicted_time += plan.predicted_seconds + judged
         self.tc = time.perf_counter()
         self.planning = self.tc - start
         self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
@@ -219,14 +223,16 @@ class Row:
                 TargetOutputs(tree, out.logits, request.sampling, path_hidden, verdict.argmax),
             )
             if rows > 1:  # what the round cost this row: its own drafting and its share of the forward
-                outcome.stats["row_seconds"] = (self.t1 - self.t0) + (t2 - tf) / rows
+                outcome.stats["row_seconds"] = (self.t1 - self.t0 - self.catch_up) + (t2 - tf) / rows
             if request.controller is not None:  # what a forward over n nodes costs this row, modelled
                 outcome.stats["node_cost"] = request.controller.row_cost(rows)
             request.drafter.observe(ctx, outcome)
         t4 = time.perf_counter()
         own_draft = (self.t1 - self.t0) + (t4 - t3)
-        # the round's time: alone, all of it; in a batch, the row's drafting and share of the forward
-        round_seconds = t4 - self.t0 if rows == 1 else own_draft + self.planning + (t2 - tf) / rows
+        # the round's time as the controller judges it (catching up is paid once for the text, not
+        # per round): alone, all of it; in a batch, the row's drafting and share of the forward
+        judged_draft = own_draft - self.catch_up
+        round_seconds = t4 - self.t0 - self.catch_up if rows == 1 else judged_draft + self.planning + (t2 - tf) / rows
         controller = request.controller
         if controller is not None:
             controller.observe_round(
@@ -237,7 +243,7 @@ class Row:
                 committed=len(new),
                 forward_seconds=t2 - tf,
                 round_seconds=round_seconds,
-                draft_seconds=own_draft,
+                draft_seconds=judged_draft,
                 rows=rows,
                 padded=padded,
             )
@@ -249,6 +255,7 @@ class Row:
                 stats.rounds_plain += 1
             stats.time_control += self.planning + (time.perf_counter() - t4)
         stats.time_draft += own_draft
+        stats.time_draft_catch_up += self.catch_up
         stats.time_verify += t2 - tf
         stats.draft_forwards = request.drafter.forwards
         stats.wall_time = time.perf_counter() - self.started

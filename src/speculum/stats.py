@@ -21,6 +21,9 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
     time_draft: float = 0.0
+    # of time_draft: a draft model catching up on committed text (its prefill of the prompt, the
+    # tokens of plain rounds); the controller judges rounds without it (Drafter.catch_up_seconds)
+    time_draft_catch_up: float = 0.0
     time_verify: float = 0.0
     time_other: float = 0.0
     wall_time: float = 0.0

@@ -212,6 +212,7 @@ RECORD_KEYS = (
     "accepted_tokens",
     "time_prefill",
     "time_draft",
+    "time_draft_catch_up",
     "time_verify",
     "time_other",
     "draft_sizes",

@@ -287,15 +287,19 @@ class AutoDrafter(Drafter):
         self._proposed = True
         self._deciding, self._used = gates, used
         self._drafting = {}
+        self.catch_up_seconds = 0.0
         for part in self.parts:
             part.draft = None
 
     def _drafted(self, part: _Part, draft: Draft | None, seconds: float) -> None:
-        """``part``'s proposal this round, and what drafting it cost this row."""
+        """``part``'s proposal this round, and what drafting it cost this row (its catching up
+        apart: the engine and the gates judge the round without it)."""
         part.draft = draft if draft is not None and len(draft) else None
+        catch_up = min(part.drafter.catch_up_seconds, seconds)
+        self.catch_up_seconds += catch_up
         if part.name in GATE_GROUPS:
             group = GATE_GROUPS[part.name]
-            self._drafting[group] = self._drafting.get(group, 0.0) + seconds
+            self._drafting[group] = self._drafting.get(group, 0.0) + seconds - catch_up
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         gates = {group: self.gate(ctx.rows, group) for group in self.groups}
@@ -385,8 +389,9 @@ class AutoDrafter(Drafter):
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         if self._proposed:  # the round's goodput, drafting and verification included
             # in a batch the engine says what the round cost this row (its drafting, its share of the
-            # forward): the time since the round began is filled by every row's drafting alike
-            seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start)
+            # forward): the time since the round began is filled by every row's drafting alike;
+            # either way without catching up (``Drafter.catch_up_seconds``)
+            seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start - self.catch_up_seconds)
             tokens = len(outcome.accepted) + 1
             for group, gate in self._deciding.items():
                 used = self._used[group]

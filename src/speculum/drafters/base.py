@@ -223,6 +223,13 @@ class Drafter:
     # a draft model that stops on its own confidence has already paid for each token it drafted and
     # judged it worth verifying (``auto`` keeps its draft model's chain this way).
     whole_sources: frozenset[str] = frozenset()
+    # Seconds of the last ``propose`` spent catching up: feeding the drafter's own model text that
+    # was committed before the round, beyond the round's root (its prefill of the prompt when a
+    # request starts, the tokens of plain rounds after a pause). That text is paid for once, not
+    # again each round, so the controller and ``auto``'s gates judge a round without it (the
+    # stats' draft time keeps it). Issue #18: a 0.5B draft's prefill charged to one round made
+    # it look like a loss on short translations, and the back-off it started carried over.
+    catch_up_seconds: float = 0.0
 
     def check(self, sampling: SamplingParams) -> None:
         """Refuse (InvalidInputError) a request this drafter cannot serve exactly; called when the request

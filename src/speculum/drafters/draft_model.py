@@ -15,6 +15,7 @@ embed (one of those padding ids) reaches the draft as its pad token instead
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,36 @@ class DraftModelState:
         del self.seen[keep:]
         self.committed = len(tokens)
         return keep
+
+
+class CatchUpClock:
+    """What a draft forward of one new token per row costs, by batch size (a moving average kept
+    across requests); a forward that also catches up on committed text (``fed`` > 1 tokens for
+    some row) is charged to the catch-up beyond that (see ``Drafter.catch_up_seconds``)."""
+
+    SMOOTHING = 0.2
+
+    def __init__(self) -> None:
+        self.step: dict[int, float] = {}  # rows -> seconds of a one-token-per-row forward
+
+    def charge(self, drafters: list, fed: list[int], seconds: float) -> None:
+        """One draft forward of ``seconds`` that fed ``fed[i]`` tokens for ``drafters[i]``'s row."""
+        rows = len(fed)
+        step = self.step.get(rows)
+        if max(fed) <= 1:
+            self.step[rows] = seconds if step is None else step + self.SMOOTHING * (seconds - step)
+            return
+        # before any one-token forward was timed: the catch-up's share of the tokens fed
+        excess = max(seconds - step, 0.0) if step is not None else seconds * (1.0 - rows / sum(fed))
+        backlog = sum(n - 1 for n in fed)
+        for drafter, n in zip(drafters, fed, strict=True):
+            drafter.catch_up_seconds += excess * (n - 1) / backlog
+
+
+def catch_up_clock(resources: Resources, model: torch.nn.Module, kind: str = "draft_model") -> CatchUpClock:
+    """The clock of ``model``'s draft forwards by the drafters of one ``kind`` (Ouroboros' forwards
+    verify trees, not chains: a clock of their own), shared by every request."""
+    return resources.shared.setdefault((kind + ".catch_up_clock", id(model)), CatchUpClock())
 
 
 @contextmanager
@@ -169,6 +200,7 @@ class DraftModelDrafter(Drafter):
         self.state = DraftModelState(self.runner, resources.draft_model)
         self.vocab_size = resources.vocab_size  # the target's: draft distributions are fitted to it
         self.policy = policy_for(options, resources.draft_model)
+        self.clock = catch_up_clock(resources, resources.draft_model)
         self._forwards = 0
         self._asked = False  # propose ran this round
 
@@ -210,6 +242,7 @@ class DraftModelDrafter(Drafter):
     def _begin(self, ctx: DraftContext) -> DraftRound | None:
         """This round's drafting, or None when the policy drafts nothing."""
         self._asked = True
+        self.catch_up_seconds = 0.0
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         return DraftRound(self, ctx, budget) if budget >= 1 else None
@@ -221,7 +254,10 @@ class DraftModelDrafter(Drafter):
     def _draft_alone(self, round_: DraftRound) -> Draft | None:
         feed = round_.catch_up()
         while feed:
-            feed = round_.take(*self._forward(feed, round_.ctx))
+            began = time.perf_counter()
+            logits, hidden = self._forward(feed, round_.ctx)
+            self.clock.charge([self], [len(feed)], time.perf_counter() - began)
+            feed = round_.take(logits, hidden)
         return round_.draft()
 
     @classmethod
@@ -242,9 +278,13 @@ class DraftModelDrafter(Drafter):
                           for i, feed in zip(live, feeds, strict=True)]  # fmt: skip
                 trees = [TokenTree(chain, list(range(-1, len(chain) - 1))) for chain in chains]
                 columns = cache_ops.cache_length(cache)
+                began = time.perf_counter()
                 outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
                 paths = [list(range(len(feed))) for feed in feeds]
                 runner.commit_rows(cache, columns, lengths, paths)
+                drafters[live[0]].clock.charge(
+                    [drafters[i] for i in live], [len(chain) for chain in chains], time.perf_counter() - began
+                )
                 for n, (i, feed) in enumerate(zip(live, feeds, strict=True)):
                     if not feed:
                         continue

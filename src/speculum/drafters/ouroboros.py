@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,7 +59,7 @@ from speculum.drafters.base import (
     check_tree_size,
     token_probability,
 )
-from speculum.drafters.draft_model import DraftModelState, begin_rows, side_by_side
+from speculum.drafters.draft_model import DraftModelState, begin_rows, catch_up_clock, side_by_side
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
@@ -147,6 +148,7 @@ class OuroborosDrafter(Drafter):
         self.runner = resources.runner(resources.draft_model, lazy_head=True)
         self.state = DraftModelState(self.runner, resources.draft_model)
         self.policy = policy_for(options, resources.draft_model)
+        self.clock = catch_up_clock(resources, resources.draft_model, "ouroboros")
         self.vocab_size = resources.vocab_size
         self.model_key = resources.model_key
         self.window = JacobiWindow(options.window_size, options.phrase_length)
@@ -205,6 +207,7 @@ class OuroborosDrafter(Drafter):
 
     def _begin(self, ctx: DraftContext) -> PhraseRound | None:
         """This round's drafting, or None when the policy drafts nothing."""
+        self.catch_up_seconds = 0.0
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         if budget < 1:
@@ -235,11 +238,14 @@ class OuroborosDrafter(Drafter):
         with side_by_side(runner, [drafters[i].state for i in live]) as (cache, lengths):
             while not all(rounds[i].done for i in live):
                 trees = [TokenTree([ctxs[i].tokens[-1]], [-1]) if rounds[i].done else rounds[i].tree() for i in live]
+                fed = [1 if rounds[i].done else len(rounds[i].forced) for i in live]
                 columns = cache_ops.cache_length(cache)
+                began = time.perf_counter()
                 outs = runner.forward_rows(cache, trees, lengths, hidden=needs_hidden)
                 paths = [[] if rounds[i].done else rounds[i].path(out.logits)
                          for i, out in zip(live, outs, strict=True)]  # fmt: skip
                 runner.commit_rows(cache, columns, lengths, paths)
+                drafters[live[0]].clock.charge([drafters[i] for i in live], fed, time.perf_counter() - began)
                 for n, (i, out, path) in enumerate(zip(live, outs, paths, strict=True)):
                     if path:
                         lengths[n] += len(path)
@@ -250,10 +256,12 @@ class OuroborosDrafter(Drafter):
         state = self.state
         while not round_.done:
             tree = round_.tree()
-            past = len(state.seen)
+            past, fed = len(state.seen), len(round_.forced)
+            began = time.perf_counter()
             out = self.runner.forward(state.cache, tree, hidden=self.policy.needs_hidden)
             path = round_.path(out.logits)
             self.runner.commit(state.cache, past, path)
+            self.clock.charge([self], [fed], time.perf_counter() - began)
             round_.take(out.logits, out.hidden)
         return round_.draft()
 
