@@ -177,6 +177,23 @@ def test_lazy_head_lossless(arch_setup):
         assert out == ref
 
 
+def test_a_half_precision_head_is_lazy_only_where_more_rows_cost_more(monkeypatch):
+    """bfloat16 on a CPU: the LM head runs row by row along the verifier's path where 8 rows cost
+    much more than one (emulated bf16), and over the whole tree at once where they cost about the
+    same (native bf16 kernels); float32 never runs it lazily."""
+    from speculum import runner as runner_module
+    from speculum.runner import ModelRunner, half_rows_cost_ratio
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    monkeypatch.setattr(runner_module, "half_rows_cost_ratio", lambda dtype, threads: 7.5)
+    assert ModelRunner(model).lazy_head
+    monkeypatch.setattr(runner_module, "half_rows_cost_ratio", lambda dtype, threads: 1.4)
+    assert not ModelRunner(model).lazy_head
+    assert ModelRunner(model, lazy_head=True).lazy_head  # asked for: kept
+    assert not ModelRunner(tiny_model("llama")).lazy_head
+    assert half_rows_cost_ratio(torch.bfloat16, torch.get_num_threads()) > 0  # the probe itself runs
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ouroboros"])
 def test_specdecpp_and_oracle_policies(arch_setup, method, tmp_path):
     """SpecDec++ (an untrained head: its stops are arbitrary, the output must not care) and the oracle,

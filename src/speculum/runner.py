@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from itertools import chain
 
@@ -124,6 +125,32 @@ def ensure_tree_attention(model: torch.nn.Module) -> None:
     logger.warning("speculum: switched attention from %r to 'sdpa' (tree verification needs explicit masks)", impl)
 
 
+# a half-precision LM head on a CPU is computed lazily (row by row along the verifier's path) where 8
+# rows of a head-sized linear layer cost more than this many times one row
+LAZY_HEAD_ROWS_RATIO = 3.0
+
+
+@functools.cache
+def half_rows_cost_ratio(dtype: torch.dtype, threads: int) -> float:
+    """What a ``dtype`` linear layer over 8 rows costs against one row on this CPU with ``threads``
+    threads: a 32k x 1024 weight (64 MB in bf16: beyond the caches, as an LM head is), best of
+    three after a warm-up, measured once per process (~0.1 s)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(32768, 1024, generator=generator).to(dtype)
+
+    def best(rows: int) -> float:
+        x = torch.randn(rows, 1024, generator=generator).to(dtype)
+        times = []
+        with torch.inference_mode():
+            for _ in range(4):
+                began = time.perf_counter()
+                torch.nn.functional.linear(x, weight)
+                times.append(time.perf_counter() - began)
+        return min(times[1:])
+
+    return best(8) / max(best(1), 1e-9)
+
+
 class ModelRunner:
     """Runs ``model`` over token trees after its cached prefix (target and draft models alike)."""
 
@@ -147,10 +174,15 @@ class ModelRunner:
         """Compute LM-head rows only along the path the verifier walks, instead of for the whole tree?
 
         Worth it where the head's cost grows with the number of rows: half precision on a CPU
-        (compute-bound where bf16 is emulated).
+        without native half-precision kernels (bf16 emulated, compute-bound: 8 rows cost ~8 times
+        one). A CPU with them (AVX-512 BF16, AMX) keeps 8 rows about as cheap as one, and
+        the rows computed one by one along the path cost each greedy n-gram round of Gemma 3 270M
+        20-35 ms more than plain decoding's forward (issue #18): measured once per process.
         """
         half = self.dtype in (torch.bfloat16, torch.float16)
-        return self.split_head and half and self.output_device.type == "cpu"
+        if not (self.split_head and half and self.output_device.type == "cpu"):
+            return False
+        return half_rows_cost_ratio(self.dtype, torch.get_num_threads()) > LAZY_HEAD_ROWS_RATIO
 
     def new_cache(self):
         return cache_ops.new_cache()
