@@ -375,24 +375,6 @@ def test_sampled_requests_carry_the_back_off_over_and_greedy_ones_restart_it():
         assert controller.wants_draft() is not carry
 
 
-def test_a_new_greedy_request_asks_at_once_and_backs_off_from_a_quarter_of_the_last_back_off():
-    """A drafter that kept losing in the last request is asked at the start of the next one (a new
-    prompt), and when it loses again its back-off starts at a quarter of where it was, not at one
-    round; one that paid starts at one round."""
-    controller = Controller(FLAT)
-    run_rounds(controller, 400, accepted_of=lambda i: 0)  # keeps losing: a long back-off
-    left = controller.backoff.length
-    assert left >= 32
-    controller.start()
-    assert controller.backoff.length == left // 4
-    asked = run_rounds(controller, 1 + left // 4, accepted_of=lambda i: 0)
-    assert asked[0] and not any(asked[1:])  # asked at once (and judged with what it knew), then backed off
-    good = Controller(FLAT)
-    run_rounds(good, 50, accepted_of=lambda i: 3)
-    good.start()
-    assert good.backoff.length == 1
-
-
 def test_rounds_with_nothing_to_verify_count_neither_way():
     controller = Controller(FLAT)
     for _ in range(50):  # an n-gram drafter with no match: asked, proposes nothing, costs nothing
