@@ -196,9 +196,24 @@ speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 
 speculum bench $G --dtype float32 --max-new-tokens 128 --out $OUT/i18/gemma-fp32-greedy-v7 --methods "autoregressive,anpd,lookahead,auto"
 speculum bench $G --dtype float32 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-fp32-t1-v8 \
   --methods "autoregressive,prompt_lookup,medusa,ctc,auto"
+# sixth pass: a draft model's catching up not held against a round (Qwen T=1), then bfloat16 with the
+# LM head lazy (v9), eager where 8 rows cost about one (v10), and one-token forwards' cost
+speculum bench $Q --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-64-v4 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,auto"
+speculum bench $G --dtype bfloat16 --max-new-tokens 128 --out $OUT/i18/gemma-bf16-greedy-v9 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $G --dtype bfloat16 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-t1-v10 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $G --dtype bfloat16 --max-new-tokens 128 --out $OUT/i18/gemma-bf16-greedy-v10 \
+  --methods "autoregressive,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $G --dtype float32 --max-new-tokens 128 --out $OUT/i18/gemma-fp32-greedy-v10 --methods "autoregressive,anpd,lookahead,auto"
+for M in qwen2.5-coder-1.5b gemma-3-270m; do
+  python benchmarks/verify_cost.py $M --dtypes float32 --ks 1,2,3,4,8 --reps 7 --threads 2 --heads last
+done
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
     qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5 gemma-fp32-t1-v6 qwen-t1-64-v3 \
-    gemma-fp32-t1-v7 gemma-fp32-greedy-v7 gemma-fp32-t1-v8; do
+    gemma-fp32-t1-v7 gemma-fp32-greedy-v7 gemma-fp32-t1-v8 qwen-t1-64-v4 gemma-bf16-greedy-v9 gemma-bf16-t1-v10 \
+    gemma-bf16-greedy-v10 gemma-fp32-greedy-v10; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
 
