@@ -145,7 +145,9 @@ def _check_device(device: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ measured "auto"
 
-_CACHE_VERSION = 1  # bump when the measurement changes: older decisions are then measured again
+# bump when the measurement changes: older decisions are then measured again (2: a bf16 LM head runs
+# eagerly on CPUs with native bf16 kernels, see ModelRunner._lazy_head_pays)
+_CACHE_VERSION = 2
 _PAST = 256  # cached positions before the timed steps
 _VERIFY = {4: 2, 8: 3}  # verification width -> tokens it is assumed to commit (see _blend)
 _REPS = 3  # timed repetitions per shape (after one warm-up); the fastest is kept (other jobs only add time)
