@@ -119,3 +119,20 @@ def save_random_heads(kind: str, target, path, seed: int = 0, **shape):
             torch.nn.init.normal_(module.slot_weight, std=0.2)
     save_draft_head(module, path, target)
     return str(path)
+
+
+def slow_catch_up(drafter, seconds: float = 0.3) -> None:
+    """Make ``drafter`` (a draft model's) catch up ``seconds`` slower, and say so in its
+    ``catch_up_seconds``, in every round where it catches up at all (its prefill, first)."""
+    import time
+
+    propose = drafter.propose
+
+    def slower(ctx):
+        draft = propose(ctx)
+        if drafter.catch_up_seconds > 0:
+            time.sleep(seconds)
+            drafter.catch_up_seconds += seconds
+        return draft
+
+    drafter.propose = slower

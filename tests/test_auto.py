@@ -15,7 +15,7 @@ from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 from speculum.tree import TokenTree
 
-from helpers import build_drafter
+from helpers import build_drafter, slow_catch_up
 from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
 
 
@@ -245,21 +245,9 @@ def test_the_paired_gate_stops_heads_that_cost_more_than_they_bring_through_burs
 def test_the_model_gate_judges_the_draft_model_without_its_prefill():
     """The draft model's catching up (its prefill of the prompt) is not held against it by auto's
     gate: the round it falls in counts what the draft model's drafting costs per round."""
-    import time
-
     model = tiny_model("llama")
     drafter = auto(model, perturbed_copy(model, scale=0.1), drafters="draft_model")
-    part = drafter.parts[0].drafter
-    propose = part.propose
-
-    def slow_prefill(ctx):
-        draft = propose(ctx)
-        if part.catch_up_seconds > 0:
-            time.sleep(0.3)
-            part.catch_up_seconds += 0.3
-        return draft
-
-    part.propose = slow_prefill
+    slow_catch_up(drafter.parts[0].drafter, 0.3)
     gate = drafter.gate(1, "draft model")
     judged = []  # the seconds of each round the gate was told of
     record = gate.record

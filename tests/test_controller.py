@@ -13,7 +13,7 @@ from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 from speculum.tree import Draft, TokenTree
 
-from helpers import build_drafter, generate_ids
+from helpers import build_drafter, generate_ids, slow_catch_up
 from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
 
 FLAT = CostModel([(1, 0.010), (64, 0.011)])  # verifying 64 nodes costs what one does (a GPU-like curve)
@@ -625,20 +625,9 @@ def test_the_controller_judges_a_round_without_the_drafters_catching_up():
     judged (the controller's goodput, the stats' drafted-round time) without it, and the stats
     keep it in the draft time (issue #18: charged to one round, it made a 0.5B draft look like a
     loss on short requests)."""
-    import time
-
     model = tiny_model("llama")
     drafter = build_drafter("draft_model", perturbed_copy(model, scale=0.1), VOCAB, num_speculative_tokens=3)
-    propose = drafter.propose
-
-    def slow_prefill(ctx):  # a draft model whose catch-up is slow enough to see
-        draft = propose(ctx)
-        if drafter.catch_up_seconds > 0:
-            time.sleep(0.3)
-            drafter.catch_up_seconds += 0.3
-        return draft
-
-    drafter.propose = slow_prefill
+    slow_catch_up(drafter, 0.3)  # slow enough to see
     controller = Controller(FLAT)
     stats = Stats()
     prompt = repetitive_prompt(24, 5, seed=3)
