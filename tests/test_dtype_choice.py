@@ -81,10 +81,17 @@ def test_faster_dtype_is_chosen(model_dir, fake_times, faster):
     assert choice.describe().startswith(f"{faster} (auto: {label} ")
 
 
-def test_close_call_keeps_float32(model_dir, fake_times):
-    fake_times["bfloat16"] = {k: v * 0.99 for k, v in FAST.items()}  # 1% faster: within the margin
+@pytest.mark.parametrize("bf16_share", [0.99, 0.89, 0.80])
+def test_bfloat16_must_win_clearly(model_dir, fake_times, bf16_share):
+    """bfloat16 predicted 1% or 11% faster (Gemma 3 270M on an AVX-512-BF16 EPYC, where end to end it
+    ran slower) keeps float32; 20% faster chooses bfloat16."""
+    fake_times["float32"] = FAST
+    fake_times["bfloat16"] = {k: v * bf16_share for k, v in FAST.items()}
     _, _, choice = models.load_with_dtype_choice(model_dir)
-    assert choice.dtype is torch.float32 and "float32 kept" in choice.reason
+    if bf16_share < 1 - dtypes._FLOAT32_MARGIN:
+        assert choice.dtype is torch.bfloat16 and "kept" not in choice.reason
+    else:
+        assert choice.dtype is torch.float32 and "(within 15%: float32 kept)" in choice.reason
 
 
 def test_float32_that_would_not_fit_in_memory_gives_bfloat16(model_dir, fake_times, monkeypatch):

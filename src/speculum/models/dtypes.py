@@ -24,7 +24,8 @@ needs anyway), with fewer repetitions once timing passes 2 s on a crowded CPU. T
 cached in ``<cache_dir>/dtype/``, keyed by the CPU (model name, flags, count), the torch and
 transformers versions, the thread count, prepacking and the model's shapes; a cache file that
 cannot be read is ignored and the choice measured again. A float32 model that would take more than
-80% of the free memory is loaded in bfloat16 instead (checked on every load). Set
+80% of the free memory is loaded in bfloat16 instead (checked on every load). bfloat16 must be
+predicted at least 15% faster to be chosen (``_FLOAT32_MARGIN``: its short measurement is optimistic). Set
 ``SPECULUM_DTYPE_MEASURE=0`` to skip measuring (the flag rule of :func:`resolve_dtype`: bfloat16
 wherever the CPU has native bfloat16), e.g. in CI, or ``=refresh`` to measure again (timings taken
 while other jobs crowded the CPU can mislead).
@@ -156,7 +157,14 @@ _SMALL_VOCAB = 128  # the stack's own embedding and head: the real LM head is ti
 _STACK_MIN_BYTES = 64 << 20  # float32 bytes of layers timed together: more than a CPU cache holds
 _STACK_MAX_BYTES = 256 << 20
 _HEAD_MAX_WEIGHTS = 64 << 20  # LM-head weights timed; a bigger head is timed on a slice of its rows
-_FLOAT32_MARGIN = 0.03  # bfloat16 must be this much faster to be chosen (float32 rounds less)
+# bfloat16 must be predicted this much faster to be chosen. float32 rounds less, and bfloat16's
+# measurement is optimistic on a shared CPU: its kernels (compute-bound where float32's stream memory)
+# switch between a fast and a slow phase every few seconds (Gemma 3 270M on an AVX-512-BF16 EPYC: one
+# token 47-49 ms, then 57-61 ms; float32 steady at 49-51), and a second of timing at start-up tends to
+# catch the fast one. There it predicted bfloat16 11% faster, while an interleaved 20-minute run had it
+# 0.89x float32 for plain decoding and 0.80x for `auto` (benchmarks/dtype_choice.py, BENCHMARKS.md).
+# Where bfloat16 halves the bytes of a memory-bound model (a 7B), or AMX computes it, it wins by far more.
+_FLOAT32_MARGIN = 0.15
 _MEMORY_SHARE = 0.8  # float32 only if the model takes at most this share of the free memory
 _SHAPE_FIELDS = (
     "model_type",
