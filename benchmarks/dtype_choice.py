@@ -63,7 +63,8 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     rate = {key: n / s for key, (n, s) in totals.items()}
-    print(f"\n{args.model}, {args.limit} prompts a set, {args.max_new_tokens} tokens, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"\n{args.model}, {args.limit} prompts a set, {args.max_new_tokens} tokens, {threads} threads")
     print(f"{'set':10s} {'method':15s} {'float32 tok/s':>14s} {'bfloat16 tok/s':>15s} {'bf16/f32':>9s}")
     for name in [s for s, _ in SETS] + ["all"]:
         for method in methods:
