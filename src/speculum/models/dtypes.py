@@ -163,7 +163,8 @@ _HEAD_MAX_WEIGHTS = 64 << 20  # LM-head weights timed; a bigger head is timed on
 # token 47-49 ms, then 57-61 ms; float32 steady at 49-51), and a second of timing at start-up tends to
 # catch the fast one. There it predicted bfloat16 11% faster, while an interleaved 20-minute run had it
 # 0.89x float32 for plain decoding and 0.80x for `auto` (benchmarks/dtype_choice.py, BENCHMARKS.md).
-# Where bfloat16 halves the bytes of a memory-bound model (a 7B), or AMX computes it, it wins by far more.
+# Where bfloat16 halves the bytes of a memory-bound model (a 7B) or AMX computes it, it should win by more
+# than this (not measured here: no such CPU or model on these machines).
 _FLOAT32_MARGIN = 0.15
 _MEMORY_SHARE = 0.8  # float32 only if the model takes at most this share of the free memory
 _SHAPE_FIELDS = (
