@@ -184,13 +184,13 @@ def test_a_half_precision_head_is_lazy_only_where_more_rows_cost_more(monkeypatc
     from speculum import runner as runner_module
     from speculum.runner import ModelRunner, half_rows_cost_ratio
 
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = tiny_model("llama").to("cpu", torch.bfloat16)  # a CPU policy, wherever the tests' models live
     monkeypatch.setattr(runner_module, "half_rows_cost_ratio", lambda dtype, threads: 7.5)
     assert ModelRunner(model).lazy_head
     monkeypatch.setattr(runner_module, "half_rows_cost_ratio", lambda dtype, threads: 1.4)
     assert not ModelRunner(model).lazy_head
     assert ModelRunner(model, lazy_head=True).lazy_head  # asked for: kept
-    assert not ModelRunner(tiny_model("llama")).lazy_head
+    assert not ModelRunner(tiny_model("llama").cpu()).lazy_head
     assert half_rows_cost_ratio(torch.bfloat16, torch.get_num_threads()) > 0  # the probe itself runs
 
 
