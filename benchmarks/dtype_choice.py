@@ -23,6 +23,7 @@ import torch
 import speculum
 from speculum.bench.datasets import load_gsm8k, load_humaneval, load_mt_bench, load_wmt16
 from speculum.bench.report import machine_info
+from speculum.models import choose_dtype
 
 SETS = (("humaneval", load_humaneval), ("gsm8k", load_gsm8k), ("mt_bench", load_mt_bench), ("wmt16", load_wmt16))
 DTYPES = ("float32", "bfloat16")
@@ -40,9 +41,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    auto = speculum.load(args.model, dtype="auto").dtype_choice
-    print(f"dtype=auto chooses {auto.describe()}", flush=True)
     models = {dtype: speculum.load(args.model, dtype=dtype) for dtype in DTYPES}
+    auto = choose_dtype("auto", "cpu", models["float32"].runner.model.config)  # what load(dtype="auto") decides
+    print(f"dtype=auto chooses {auto.describe()}", flush=True)
     methods = args.methods.split(",")
     chat = bool(getattr(models["float32"].tokenizer, "chat_template", None))
     prompts = [(name, p.render(chat and name != "humaneval")) for name, loader in SETS for p in loader(args.limit)]

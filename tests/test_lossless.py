@@ -180,7 +180,7 @@ def test_lazy_head_lossless(arch_setup):
 def test_a_half_precision_head_is_lazy_only_where_more_rows_cost_more(monkeypatch):
     """bfloat16 on a CPU: the LM head runs row by row along the verifier's path where 8 rows cost
     much more than one (emulated bf16), and over the whole tree at once where they cost about the
-    same (native bf16 kernels); float32 never runs it lazily."""
+    same (native bf16 kernels); float32, and a model without a plain LM head, never run it lazily."""
     from speculum import runner as runner_module
     from speculum.runner import ModelRunner, half_rows_cost_ratio
 
@@ -191,6 +191,7 @@ def test_a_half_precision_head_is_lazy_only_where_more_rows_cost_more(monkeypatc
     assert not ModelRunner(model).lazy_head
     assert ModelRunner(model, lazy_head=True).lazy_head  # asked for: kept
     assert not ModelRunner(tiny_model("llama").cpu()).lazy_head
+    assert not ModelRunner(tiny_model("gpt2").to("cpu", torch.bfloat16)).lazy_head  # not a known plain-head model
     assert half_rows_cost_ratio(torch.bfloat16, torch.get_num_threads()) > 0  # the probe itself runs
 
 

@@ -7,7 +7,7 @@ from speculum import cache as cache_ops
 from speculum.runner import ModelRunner
 from speculum.tree import Draft, TokenTree
 
-from tiny_models import ARCHS, DEVICE, VOCAB, tiny_model
+from tiny_models import ARCHS, VOCAB, tiny_model
 
 
 def sample_tree():
@@ -161,17 +161,6 @@ def test_lazy_head_rows_equal_full_logits(arch):
     assert not isinstance(lazy, torch.Tensor)
     for node in range(len(tree)):
         torch.testing.assert_close(lazy[node], full[node], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU policy (the tiny models are on the GPU)")
-def test_lazy_head_auto_only_for_half_precision_cpu(monkeypatch):
-    from speculum import runner as runner_module
-
-    # a CPU where 8 rows of a bf16 layer cost ~8 times one (emulated bf16; see test_lossless for the other kind)
-    monkeypatch.setattr(runner_module, "half_rows_cost_ratio", lambda dtype, threads: 7.5)
-    assert not ModelRunner(tiny_model("llama")).lazy_head
-    assert ModelRunner(tiny_model("llama", dtype=torch.bfloat16)).lazy_head
-    assert not ModelRunner(tiny_model("gpt2", dtype=torch.bfloat16)).lazy_head  # not a known plain-head model
 
 
 def test_from_draft_keeps_at_most_max_nodes_and_stays_a_tree():
