@@ -321,10 +321,11 @@ def test_run_bench_fake(fake_configs, tmp_path):
         warmup=1,
         progress=False,
         fail_fast=True,
-        on_record=seen.append,
+        on_prompt=seen.append,
     )
     assert result.baseline == "ar"
-    assert len(result.records) == 2 * 2 * 3 == len(seen)
+    assert len(result.records) == 2 * 2 * 3 == sum(len(recs) for recs in seen)
+    assert [[r["method"] for r in recs] for recs in seen] == [["ar", "good", "bad"]] * 4  # a prompt at a time
     # warm-up: one call per method on the first prompt, not recorded
     assert [c[1] for c in spec.calls[:3]] == ["autoregressive", "good", "bad"]
     # interleaving: prompt i runs the methods rotated by i
@@ -358,6 +359,28 @@ def test_run_bench_fake(fake_configs, tmp_path):
     assert len(lines) == 12 and json.loads(lines[0])["method"] == "ar"
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["baseline"] == "ar"
     assert "## overall" in open(paths["summary_md"]).read()
+
+
+def test_run_bench_resumes_from_earlier_records(fake_configs):
+    """Prompts recorded by an interrupted run are not run again; the others keep their seeds and order."""
+    sets = {"x": ds.load_mt_bench(3), "y": ds.load_humaneval(3)}
+    methods = [MethodSpec("ar", "autoregressive"), MethodSpec("good", "good")]
+    kw = dict(limit=2, max_new_tokens=6, warmup=1, progress=False, fail_fast=True, seed=10)
+    full_spec = _FakeSpec()
+    full = run_bench(full_spec, sets, methods, **kw)
+    earlier = [r for r in full.records if r["dataset"] == "mt_bench"]  # the first two prompts
+    spec = _FakeSpec()
+    resumed = run_bench(spec, sets, methods, previous=earlier, **kw)
+    assert resumed.records[: len(earlier)] == earlier
+    assert [(r["dataset"], r["question_id"], r["method"]) for r in resumed.records] == [
+        (r["dataset"], r["question_id"], r["method"]) for r in full.records
+    ]
+    # warm-up on the first prompt still to run, then only the two HumanEval prompts, in the full run's order
+    humaneval_ids = {tuple(c[0]) for c in full_spec.calls[2 + 4 :]}
+    assert len(spec.calls) == 2 + 4 and {tuple(c[0]) for c in spec.calls} == humaneval_ids
+    assert [c[1] for c in spec.calls[2:]] == [c[1] for c in full_spec.calls[2 + 4 :]]
+    assert [r["token_ids"] for r in resumed.records] == [r["token_ids"] for r in full.records]
+    assert any("resumed: 2 of 4 prompts" in n for n in resumed.notes)
 
 
 def test_run_bench_records_failures(fake_configs):
@@ -470,6 +493,38 @@ def test_command_argument_errors(args, needle):
     assert needle in flat
     assert "Traceback" not in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_command_resumes_an_interrupted_run(model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = ["bench", "--model", model_dir, "--dataset", "wmt16", "--limit", "3", "--max-new-tokens", "4",
+            "--methods", "autoregressive,prompt_lookup", "--warmup", "0", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(_app(), args)
+    assert res.exit_code == 0, res.output
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and json.loads((out / "run.json").read_text())["settings"]["limit"] == 3
+    # interrupted while the second prompt's records were written: its first line whole, its second cut
+    (out / "records.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
+    res = CliRunner().invoke(_app(), [*args, "--resume"])
+    assert res.exit_code == 0, res.output
+    assert "1 prompts (2 records) kept" in res.output
+    resumed = (out / "records.jsonl").read_text().splitlines()
+    assert resumed[:2] == lines[:2]  # the first prompt's records as they were (their timings included)
+    assert [json.loads(x)["question_id"] for x in resumed] == [json.loads(x)["question_id"] for x in lines]
+    assert all(json.loads(x)["equal_to_baseline"] for x in resumed)
+    assert "resumed: 2 records" in (out / "summary.md").read_text()
+    # a finished run resumes to itself; other settings, or no run file, are refused with one message
+    res = CliRunner().invoke(_app(), [*args, "--resume"])
+    assert res.exit_code == 0 and "3 prompts (6 records) kept" in res.output
+    assert (out / "records.jsonl").read_text().splitlines() == resumed
+    res = CliRunner().invoke(_app(), [*args[:-2], "--out", str(out), "--max-new-tokens", "5", "--resume"])
+    assert res.exit_code == 2 and "max_new_tokens 4 (now 5)" in " ".join(res.output.split())
+    (out / "run.json").unlink()
+    res = CliRunner().invoke(_app(), [*args, "--resume"])
+    assert res.exit_code == 2 and "run.json" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(_app(), [*args[:-2], "--resume"])
+    assert res.exit_code == 2 and "--out" in " ".join(res.output.replace("│", " ").split())
 
 
 def test_transformers_rows_run_on_the_stock_model():

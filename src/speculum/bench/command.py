@@ -13,8 +13,53 @@ import typer
 from speculum.bench.datasets import check_dataset_name, split_names
 from speculum.bench.runner import DEFAULT_METHODS, known_methods, parse_methods, run_bench
 from speculum.errors import SpeculumError
+from speculum.poolfile import write_atomic
 
 DEFAULT_DATASETS = "humaneval,gsm8k,mt_bench"
+RUN_FILE = "run.json"  # the settings of the run whose records lie beside it
+
+
+def _earlier_run(out: Path, settings: dict) -> tuple[list[dict], dict | None]:
+    """The records of the interrupted run in ``out`` and its run file, checked against ``settings``.
+
+    Records are written a whole prompt at a time; a prompt whose last line was cut off by the
+    interruption is dropped (it runs again)."""
+    records_path, run_path = out / "records.jsonl", out / RUN_FILE
+    if not records_path.exists():
+        typer.echo(f"--resume: no earlier run in {out}: starting one", err=True)
+        return [], None
+    if not run_path.exists():
+        _fail(f"--resume: {records_path} has no {RUN_FILE} beside it (a run from before --resume existed), "
+              "so it cannot be checked to be this run")  # fmt: skip
+    try:
+        earlier = json.loads(run_path.read_text(encoding="utf-8"))
+        lines = records_path.read_text(encoding="utf-8").splitlines()
+        was = earlier["settings"]
+        if not isinstance(was, dict):
+            raise TypeError("settings are not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _fail(f"--resume: cannot read the earlier run in {out}: {type(e).__name__}: {e}")
+    differ = [f"{k} {was.get(k)!r} (now {v!r})" for k, v in settings.items() if was.get(k) != v]
+    if differ:
+        _fail(f"--resume: {out} holds a run with other settings: " + "; ".join(differ))
+    records = []
+    for n, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            whole = isinstance(rec, dict) and "dataset" in rec and "question_id" in rec
+        except ValueError:
+            whole = False
+        if whole:
+            records.append(rec)
+        elif n < len(lines) - 1:
+            _fail(f"--resume: {records_path} line {n + 1} is not a record: the file is damaged")
+        elif records:  # cut off while its prompt was written: that prompt runs again
+            cut = (records[-1]["dataset"], records[-1]["question_id"])
+            records = [r for r in records if (r["dataset"], r["question_id"]) != cut]
+    prompts = len({(r["dataset"], str(r["question_id"])) for r in records})
+    when = earlier.get("date", "?")
+    typer.echo(f"--resume: {prompts} prompts ({len(records)} records) kept from the run of {when}", err=True)
+    return records, earlier
 
 
 def _fail(message: str) -> None:
@@ -83,10 +128,20 @@ def bench(
         ),
     ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the interrupted run in --out: prompts already recorded there are kept, not rerun "
+            "(the settings must be the run's own).",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark decoding methods side by side on public prompt sets (speed, acceptance, losslessness)."""
     # everything that can be checked without a model is checked first
     names = split_names(dataset) or split_names(DEFAULT_DATASETS)
+    if resume and out is None:
+        raise typer.BadParameter("--resume continues the run saved in --out: give --out", param_hint="'--resume'")
     for name in names:
         try:
             check_dataset_name(name)
@@ -99,6 +154,13 @@ def bench(
                 m.to_config()
     except SpeculumError as e:
         raise typer.BadParameter(str(e), param_hint="'--methods'") from None
+    settings = {  # what makes two runs the same run (run.json; --resume checks it)
+        "model": model, "draft": draft, "dtype": dtype, "device": device, "datasets": names, "limit": limit,
+        "max_new_tokens": max_new_tokens, "methods": methods, "compare_transformers": compare_transformers,
+        "warmup": warmup, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+        "check_lossless": check_lossless, "threads": threads, "prepack": prepack, "chat": chat,
+    }  # fmt: skip
+    previous, earlier = _earlier_run(out, settings) if resume else ([], None)
 
     import torch
 
@@ -109,6 +171,8 @@ def bench(
 
     command = shlex.join(["speculum", *sys.argv[1:]])
     meta = {"command": command, "date": now_iso(), "model": model, "draft": draft, "dtype_requested": dtype}
+    if earlier is not None:
+        meta["resumed"] = {"date": earlier.get("date"), "machine": earlier.get("machine"), "records": len(previous)}
 
     try:
         import speculum
@@ -130,13 +194,24 @@ def bench(
     meta["machine"] = machine_info()
 
     records_file = None
-    on_record = None
+    on_prompt = None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        records_file = open(out / "records.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        if not resume and (out / "records.jsonl").exists():
+            typer.echo(f"{out} holds an earlier run's records: replacing them (--resume would continue it)", err=True)
+        run_file = {"settings": settings, "date": meta["date"], "machine": meta["machine"]}
+        if earlier is not None:  # the run continued keeps its start and machine
+            run_file.update(date=earlier.get("date"), machine=earlier.get("machine"))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / RUN_FILE, (json.dumps(run_file, indent=2) + "\n").encode(), what="run file")
+            # the earlier run's whole prompts, then this run's, one prompt at a time
+            write_atomic(out / "records.jsonl", "".join(json.dumps(r) + "\n" for r in previous).encode())
+            records_file = open(out / "records.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as e:
+            _fail(f"cannot write the results to {out}: {e}")
 
-        def on_record(rec: dict) -> None:
-            records_file.write(json.dumps(rec) + "\n")
+        def on_prompt(recs: list[dict]) -> None:
+            records_file.write("".join(json.dumps(r) + "\n" for r in recs))
             records_file.flush()
 
     try:
@@ -156,7 +231,8 @@ def bench(
             compare_transformers=compare_transformers,
             draft=draft,
             progress=progress,
-            on_record=on_record,
+            on_prompt=on_prompt,
+            previous=previous,
             meta=meta,
         )
     except SpeculumError as e:

@@ -266,6 +266,13 @@ def to_markdown(summary: dict[str, Any]) -> str:
     if meta.get("command"):
         lines.append(f"- command: `{meta['command']}`")
     lines.append(f"- date: {meta.get('date', '')}")
+    if meta.get("resumed"):  # an interrupted run continued: its prompts kept, the rest run now
+        r = meta["resumed"]
+        earlier_cpu = (r.get("machine") or {}).get("cpu", "?")
+        lines.append(
+            f"- resumed: {r.get('records')} records from the run started {r.get('date')} on {earlier_cpu} "
+            "(a prompt's methods always ran together, in one run)"
+        )
     machine = f"{mach.get('cpu', '?')}, {mach.get('threads', '?')} threads"
     if mach.get("gpu"):
         machine += f", GPU {mach['gpu']}"

@@ -368,7 +368,8 @@ def run_bench(
     draft: str | None = None,
     progress: bool = True,
     fail_fast: bool = False,
-    on_record: Callable[[dict], None] | None = None,
+    on_prompt: Callable[[list[dict]], None] | None = None,
+    previous: Sequence[dict] = (),
     meta: dict | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (interleaved per prompt) and return the records.
@@ -379,7 +380,9 @@ def run_bench(
     given to ``load`` (``"self:N"`` makes ``hf_assisted`` use ``assistant_early_exit=N``).
     ``chat``: None = per dataset default (chat when the tokenizer has a chat template, except
     HumanEval). ``fail_fast``: re-raise a method's error instead of recording it and dropping the method.
-    ``on_record``: called with each record as soon as the prompt's methods have all run.
+    ``on_prompt``: called with a prompt's records (in the methods' order) as soon as its methods have
+    all run. ``previous``: records of an interrupted run of the same settings: the prompts they hold
+    are not run again and the records lead the result (``speculum bench --resume``).
     """
     from tqdm.auto import tqdm
 
@@ -446,9 +449,13 @@ def run_bench(
         return run_speculum(spec, ids, configs[m.label], **kw)
 
     all_prompts = [p for ps in prompts.values() for p in ps]
-    records: list[dict] = []
+    records: list[dict] = list(previous)
+    done = {(r["dataset"], str(r["question_id"])) for r in previous}
+    todo = [p for p in all_prompts if (p.dataset, str(p.question_id)) not in done]
+    if done:
+        notes.append(f"resumed: {len(all_prompts) - len(todo)} of {len(all_prompts)} prompts from the earlier run")
     bar = tqdm(
-        total=len(all_prompts) * len(mspecs) + (warmup * len(mspecs) if all_prompts else 0),
+        total=len(todo) * len(mspecs) + (warmup * len(mspecs) if todo else 0),
         disable=not progress,
         unit="gen",
         dynamic_ncols=True,
@@ -463,8 +470,8 @@ def run_bench(
         bar.write(f"[bench] {m.label} failed and is dropped: {errors[m.label]}")
 
     try:
-        if all_prompts and warmup > 0:
-            p0 = all_prompts[0]
+        if todo and warmup > 0:
+            p0 = todo[0]
             ids0 = spec.encode_prompt(p0.render(use_chat(p0)))
             for m in mspecs:
                 for _ in range(warmup):
@@ -476,7 +483,9 @@ def run_bench(
                             fail(m, e)
                     bar.update(1)
 
-        for i, p in enumerate(all_prompts):
+        for i, p in enumerate(all_prompts):  # i: the prompt's place in the whole run (its seed, its order)
+            if (p.dataset, str(p.question_id)) in done:
+                continue
             ids = spec.encode_prompt(p.render(use_chat(p)))
             s = None if seed is None else seed + i
             by_method: dict[str, dict] = {}
@@ -500,6 +509,7 @@ def run_bench(
                 by_method[m.label] = rec
                 bar.update(1)
             base = by_method.get(baseline) if do_check else None
+            prompt_records = []
             for label in labels:  # records in the methods' given order, whatever order they ran in
                 rec = by_method.get(label)
                 if rec is None:
@@ -508,9 +518,10 @@ def run_bench(
                     fm = compare_tokens(rec["token_ids"], base["token_ids"])
                     rec["equal_to_baseline"] = fm is None
                     rec["first_mismatch"] = fm
-                records.append(rec)
-                if on_record is not None:
-                    on_record(rec)
+                prompt_records.append(rec)
+            records.extend(prompt_records)
+            if on_prompt is not None and prompt_records:
+                on_prompt(prompt_records)
     finally:
         bar.close()
 
