@@ -326,11 +326,13 @@ def _toy_texts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind,precision,standardize", [("medusa", "float32", False), ("ctc", "float32", False), ("ctc", "bfloat16", True)]
+    "kind,precision,standardize,noise",
+    [("medusa", "float32", False, 0.0), ("ctc", "float32", False, 0.2), ("ctc", "bfloat16", True, 0.0)],
 )
-def test_training_lowers_validation_loss_and_resumes(kind, precision, standardize, speculum_llama, tmp_path):
+def test_training_lowers_validation_loss_and_resumes(kind, precision, standardize, noise, speculum_llama, tmp_path):
     """Trains in float32 or in bfloat16 mixed precision (the forward autocast, as ``precision="auto"``
-    does on a CPU with native bf16); the CTC module with its memory standardised too."""
+    does on a CPU with native bf16); the CTC module with its memory standardised too, or with noise
+    on its training inputs."""
     from speculum.training import draft_heads
     from speculum.training.texts import training_texts
 
@@ -341,7 +343,7 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, standardiz
     settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
                                         epochs=6, lr=1e-2, batch_size=32, val_fraction=0.2,
                                         consistent=False, precision=precision,
-                                        standardize=standardize)  # fmt: skip
+                                        standardize=standardize, noise=noise)  # fmt: skip
     data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
     examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
     vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
@@ -357,7 +359,7 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, standardiz
     assert history[-1]["val_accepted_prefix"] > before["val_accepted_prefix"]
     config = json.loads((out / "config.json").read_text())
     assert config["kind"] == kind and config["training"]["history"] == history
-    assert config["training"]["precision"] == precision
+    assert config["training"]["precision"] == precision and config["training"]["settings"]["noise"] == noise
     if standardize:  # the statistics were measured and saved
         assert not torch.equal(module.hidden_std, torch.ones_like(module.hidden_std))
     if kind == "medusa":
@@ -388,6 +390,23 @@ def _path_data():
         "text": torch.zeros(10, dtype=torch.int32),
         "response": torch.ones(10, dtype=torch.bool),
     }
+
+
+def test_noise_follows_each_dimensions_spread_and_leaves_padding_alone():
+    from speculum.training import draft_heads
+
+    spread = torch.tensor([0.0, 1.0, 10.0])
+    batch = {"memory": torch.ones(4000, 2, 3), "padding": torch.zeros(4000, 2, dtype=torch.bool)}
+    batch["padding"][:, 0] = True
+    batch["memory"][:, 0] = 0.0
+    draft_heads.add_noise(batch, spread, torch.Generator().manual_seed(0))
+    memory = batch["memory"]
+    assert torch.equal(memory[:, 0], torch.zeros(4000, 3))  # no hidden state there: stays zero
+    assert torch.equal(memory[:, 1, 0], torch.ones(4000))  # no spread: no noise
+    assert memory[:, 1, 1].std() == pytest.approx(1.0, rel=0.05) and memory[:, 1, 1].mean() == pytest.approx(1, abs=0.1)
+    assert memory[:, 1, 2].std() == pytest.approx(10.0, rel=0.05)
+    with pytest.raises(InvalidInputError, match="noise"):
+        draft_heads.HeadSettings("medusa", noise=-0.1).check()
 
 
 def test_mixed_precision_follows_the_device(monkeypatch):

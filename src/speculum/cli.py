@@ -471,6 +471,14 @@ ConsistentOption = Annotated[
     bool,
     typer.Option(help="Learn a label only while the text stays on the target's own greedy path."),
 ]
+NoiseOption = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        help="Gaussian noise on the training inputs' hidden states, in units of each dimension's spread "
+        "(a regulariser; 0: none).",
+    ),
+]
 
 
 def _train_draft_heads(kind: str, model: str, out: str, texts: str, data_settings, settings, common: dict) -> None:
@@ -525,6 +533,7 @@ def train_medusa(
     generate_batch: GenerateBatchOption = 16,
     raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
+    noise: NoiseOption = 0.0,
     data: DataOption = None,
     extra_data: ExtraDataOption = None,
     num_heads: Annotated[int, typer.Option(min=1, help="Heads: tokens guessed beyond the next one.")] = 4,
@@ -549,7 +558,7 @@ def train_medusa(
     settings = HeadSettings(
         "medusa", num_heads=num_heads, num_layers=num_layers, draft_vocab=draft_vocab, epochs=epochs, lr=lr,
         batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes, consistent=consistent,
-        precision=precision,
+        precision=precision, noise=noise,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data,
                   extra_data=extra_data)  # fmt: skip
@@ -567,6 +576,7 @@ def train_ctc_drafter(
     generate_batch: GenerateBatchOption = 16,
     raw_layout: RawLayoutOption = True,
     consistent: ConsistentOption = True,
+    noise: NoiseOption = 0.0,
     data: DataOption = None,
     extra_data: ExtraDataOption = None,
     slots: Annotated[int, typer.Option(min=1, help="Frames predicted at once.")] = 8,
@@ -600,7 +610,7 @@ def train_ctc_drafter(
     settings = HeadSettings(
         "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
-        consistent=consistent, precision=precision, standardize=standardize, slot_blocks=slot_blocks,
+        consistent=consistent, precision=precision, standardize=standardize, slot_blocks=slot_blocks, noise=noise,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data,
                   extra_data=extra_data)  # fmt: skip
