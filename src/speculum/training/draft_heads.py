@@ -501,15 +501,14 @@ def train(
     draft_vocab, coverage = choose_draft_vocab(data, settings.draft_vocab, training_rows)
     torch.manual_seed(settings.seed)
     module = build_module(settings, data["hidden"].shape[1], draft_vocab)
-    if settings.kind == "ctc" and settings.standardize:
-        pick = torch.randperm(len(train_roots), generator=torch.Generator().manual_seed(settings.seed))[:8192]
-        module.standardize_on(data["hidden"][train_roots[pick]])
     if len(train_roots) == 0:
         raise InvalidInputError("no training examples: give more (or longer) texts")
-    spread = None
-    if settings.noise > 0:  # each dimension's spread, measured on (a sample of) the training positions
-        pick = torch.randperm(len(train_roots), generator=torch.Generator().manual_seed(settings.seed))[:8192]
-        spread = settings.noise * data["hidden"][train_roots[pick]].float().std(dim=0).clamp(min=1e-3).to(device)
+    # the target's hidden states at (a sample of) the training positions: their statistics
+    pick = torch.randperm(len(train_roots), generator=torch.Generator().manual_seed(settings.seed))[:8192]
+    sample = data["hidden"][train_roots[pick]].float()
+    if settings.kind == "ctc" and settings.standardize:
+        module.standardize_on(sample)
+    spread = settings.noise * sample.std(dim=0).clamp(min=1e-3).to(device) if settings.noise > 0 else None
     per_epoch = min(len(train_roots), settings.max_examples or len(train_roots))
     steps_per_epoch = math.ceil(per_epoch / settings.batch_size)
     history: list[dict[str, Any]] = []
