@@ -9,7 +9,8 @@
 # (seconds for pytest, then test files; default: the files below). The wheels go to a folder of
 # their own put first on PYTHONPATH, so the image's own versions cannot shadow them, and the
 # versions imported are printed. Each test's outcome is written as it ends (-v), so a run that the
-# lease cuts short still says which tests passed and which failed ($OUT/pytest.log, then a summary).
+# lease cuts short still says which tests passed and which failed ($OUT/pytest.log, then a summary)
+# and why: each failure's traceback goes to $OUT/failures.log as the test ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LIMIT=${1:-480}
@@ -24,11 +25,14 @@ mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target .pylib .whl/*.whl 2>&1 | grep -v "as the 'root' user" || true
 fi
-export PYTHONPATH=$PWD/.pylib:$PWD/src
+export PYTHONPATH=$PWD/.pylib:$PWD/src:$PWD/benchmarks FAILURE_LOG=$OUT/failures.log
+# one CPU thread per worker: 16 workers of 16 threads each made the CPU-bound tests (the sampling
+# rule's 6,000 trials, the heads' training) overrun their timeout on the 16-core machine
+export OMP_NUM_THREADS=1
 python3 -c "import torch, transformers, speculum; print('torch', torch.__version__, 'transformers', transformers.__version__,
       'from', transformers.__file__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-SPECULUM_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -v -n 16 -p no:cacheprovider -p no:benchmark \
-    --timeout 240 --tb=short "${FILES[@]}" >"$OUT/pytest.log" 2>&1
+SPECULUM_TEST_DEVICE=cuda timeout "$LIMIT" python3 -m pytest -v -n "${WORKERS:-16}" -p no:cacheprovider -p no:benchmark \
+    -p failures_as_they_happen --timeout "${TEST_TIMEOUT:-240}" --tb=short "${FILES[@]}" >"$OUT/pytest.log" 2>&1
 echo "pytest exit status $? (124: cut at ${LIMIT} s)"
 echo "passed: $(grep -c ' PASSED ' "$OUT/pytest.log"), skipped: $(grep -c ' SKIPPED ' "$OUT/pytest.log")"
 grep -E ' (FAILED|ERROR) ' "$OUT/pytest.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u | head -60

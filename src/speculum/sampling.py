@@ -127,11 +127,11 @@ class PositionNoise:
         blocks = -(-vocab // SAMPLE_BLOCK)
         if position < self.drawn and position not in self.rows:
             raise RuntimeError(f"position {position} was already committed and its noise forgotten")
-        while self.drawn <= position:
-            row = torch.empty(blocks + SAMPLE_BLOCK, device=probs.device, dtype=torch.float64)
+        while self.drawn <= position:  # drawn where the generator lives, used where the logits are
+            row = torch.empty(blocks + SAMPLE_BLOCK, device=self.generator.device, dtype=torch.float64)
             self.rows[self.drawn] = row.exponential_(generator=self.generator)
             self.drawn += 1
-        noise = self.rows[position]
+        noise = self.rows[position].to(probs.device)
         if noise.numel() != blocks + SAMPLE_BLOCK:
             raise RuntimeError(f"a distribution over {vocab} tokens, noise drawn for another vocabulary")
         padded = torch.nn.functional.pad(probs, (0, -vocab % SAMPLE_BLOCK)).view(-1, SAMPLE_BLOCK)
