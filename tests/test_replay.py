@@ -87,3 +87,47 @@ def test_replay_without_the_model_refuses_drafters_that_read_off_the_path(method
     reference = reference_greedy(model, prompt, 40)
     with pytest.raises(ReplayError, match="off the accepted path.*model="):
         replay(prompt, reference, build_drafter(method, draft, VOCAB, **params))
+
+
+SAMPLED_DRAFTERS = [
+    ("draft_model", dict(num_speculative_tokens=4)),  # a chain sampled by the request's noise
+    ("ouroboros", dict(num_speculative_tokens=3, window_size=3, ngram_size=3, num_phrase_candidates=2)),
+    ("prompt_lookup", {}),
+    ("lookahead", dict(window_size=3, ngram_size=3, guess_set_size=3)),
+]
+
+
+@pytest.mark.parametrize("method, params", SAMPLED_DRAFTERS)
+def test_a_seeded_sampled_run_replays_exactly(method, params):
+    """A seeded request at T > 0: with the seed's plain-sampling text as the reference, the replay
+    gives the real run's acceptance step by step (the draft model sampling its chain by the same
+    noise); a sampled replay without its seed is refused."""
+    import torch
+
+    from speculum.sampling import PositionNoise, SamplingParams
+
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.2) if method in ("draft_model", "ouroboros") else None
+    sampling = SamplingParams(temperature=0.7, top_p=0.95)
+    accepted = 0
+    for seed, prompt in enumerate([repetitive_prompt(24, 5, 0), repetitive_prompt(20, 7, 3)]):
+
+        def noise(seed=seed):
+            return PositionNoise(torch.Generator().manual_seed(seed))
+
+        plain_noise = noise()
+        reference, _ = generate_ids(model, prompt, build_drafter("autoregressive"), 32, sampling,
+                                    plain_noise.generator, noise=plain_noise)  # fmt: skip
+        real_noise = noise()
+        out, real = generate_ids(model, prompt, build_drafter(method, draft, VOCAB, **params), 32, sampling,
+                                 real_noise.generator, noise=real_noise)  # fmt: skip
+        assert out == reference
+        simulated = replay(prompt, reference, build_drafter(method, draft, VOCAB, **params), model=model,
+                           sampling=sampling, seed=seed)  # fmt: skip
+        assert simulated.accept_lengths == real.accept_lengths
+        assert simulated.drafted_tokens == real.drafted_tokens
+        assert simulated.accepted_per_position == real.accepted_per_position
+        accepted += real.accepted_tokens
+    assert accepted > 0
+    with pytest.raises(ReplayError, match="seed"):
+        replay(prompt, reference, build_drafter("prompt_lookup"), sampling=sampling, vocab_size=VOCAB)

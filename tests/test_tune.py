@@ -101,6 +101,31 @@ def test_tune_keeps_fixed_params_and_never_chooses_worse_than_the_start(spec):
     SpeculativeConfig.coerce("draft_model", **result.params)  # a valid configuration
 
 
+def test_tuning_for_sampling_replays_the_seeded_runs(spec):
+    """With a temperature, each prompt's reference is plain sampling's text with seed + i, the
+    scoring replays a draft model's real seeded runs exactly, and the confirmation times seeded runs."""
+    from speculum.sampling import SamplingParams
+
+    ids = [spec.encode_prompt(p) for p in PROMPTS]
+    sampling = SamplingParams(temperature=1.0)
+    prompts = prepare_prompts(spec, ids, 16, sampling=sampling, seed=7)
+    assert [p.seed for p in prompts] == [7, 8, 9]
+    params = {"num_speculative_tokens": 3}
+    config = SpeculativeConfig.coerce("draft_model", **params)
+    for p in prompts:
+        real = spec.generate(p.ids, "draft_model", max_new_tokens=16, controller=False, temperature=1.0, seed=p.seed,
+                             **params)  # fmt: skip
+        assert real.token_ids == p.reference  # a seed's text, whatever drafts
+        drafter = config.drafter_class()(config.options(), spec.resources())
+        replayed = p.replay(drafter, spec, sampling)
+        assert replayed.accept_lengths == real.stats.accept_lengths and replayed.draft_sizes == real.stats.draft_sizes
+    greedy = prepare_prompts(spec, ids, 16)
+    assert [p.reference for p in greedy] != [p.reference for p in prompts]  # (T=1 samples, not the greedy text)
+    result = tune(spec, "draft_model", ids, max_new_tokens=12, sampling=sampling, seed=7, max_sweeps=1)
+    assert set(result.measured) == {"autoregressive", "defaults", "tuned"}
+    assert result.best.tokens_per_second >= result.start.tokens_per_second
+
+
 def test_a_sweep_moves_to_the_best_value_not_the_first_that_clears_the_bar():
     from types import SimpleNamespace
 
@@ -206,7 +231,7 @@ def test_cli_tune_writes_a_config_that_generate_and_bench_accept(tmp_path, model
     assert "predicted tok/s" in res.output and out.exists()
     config = SpeculativeConfig.from_file(out)
     assert config.method == "anpd" and config.metadata["model"] == model_dir
-    assert config.metadata["tuning"]["prompts"].endswith("x 2")
+    assert config.metadata["tuning"]["prompts"].endswith("x 2") and config.metadata["tuning"]["sampling"] == "greedy"
     res = cli.invoke(app, ["generate", PROMPTS[0], "--config", str(out), "--max-new-tokens", "6", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
@@ -222,6 +247,7 @@ def test_cli_tune_writes_a_config_that_generate_and_bench_accept(tmp_path, model
         (["tune", "--method", "prompt_lookup"], "supports"),
         (["tune", "--method", "anpd", "--out", "x.txt"], ".json"),
         (["tune", "--method", "anpd", "--param", "bogus=1"], "no parameter"),
+        (["tune", "--method", "anpd", "--temperature", "-1"], "temperature"),
         (["generate", "hi", "--config", "/no/such.json"], "cannot read"),
     ],
 )

@@ -236,9 +236,16 @@ def tune(
     chat: Annotated[
         bool | None, typer.Option("--chat/--no-chat", help="Apply the chat template (default: as speculum bench).")
     ] = None,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, help="Tune for sampling at this temperature (seeded requests); 0: greedy.")
+    ] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling (with --temperature).")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Top-k sampling (with --temperature; 0: off).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Prompt i is sampled with seed SEED + i (with --temperature).")] = 0,
 ) -> None:
     """Choose a method's parameters for this machine: heuristic search (Ouroboros' Algorithm 1) scored by
-    exact replay of the target's greedy outputs and a measured verification cost, then a timed check."""
+    exact replay of the target's greedy outputs (or seeded samples, with --temperature) and a measured
+    verification cost, then a timed check."""
     from speculum.tune import TUNABLE
 
     if method not in TUNABLE:
@@ -249,10 +256,12 @@ def tune(
 
     import speculum
     from speculum.bench.datasets import load_dataset
+    from speculum.sampling import SamplingParams
     from speculum.tune import describe_params
     from speculum.tune import tune as run_tune
 
     try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         fixed = parse_params(param or [])
         speculum.SpeculativeConfig.coerce(method, **fixed)
         prompts = load_dataset(dataset, limit)
@@ -274,11 +283,16 @@ def tune(
             max_sweeps=sweeps,
             min_gain=min_gain,
             confirm=confirm,
+            sampling=sampling,
+            seed=seed,
             log=lambda line: err.print(line, highlight=False),
         )
     except SpeculumError as error:
         fail(str(error))
-    table = Table(title=f"speculum tune --method {method}: {len(ids)} prompts of {dataset}, {max_new_tokens} tokens")
+    regime = "greedy" if sampling.greedy else f"T={sampling.temperature:g}, seeds {seed}..{seed + len(ids) - 1}"
+    table = Table(
+        title=f"speculum tune --method {method}: {len(ids)} prompts of {dataset}, {max_new_tokens} tokens, {regime}"
+    )
     table.add_column("parameters")
     table.add_column("predicted tok/s", justify="right")
     table.add_column("vs plain", justify="right")
@@ -306,6 +320,14 @@ def tune(
         "tuning": {
             "prompts": f"{dataset} x {len(ids)}",
             "max_new_tokens": max_new_tokens,
+            "sampling": "greedy"
+            if sampling.greedy
+            else {
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "seed": seed,
+            },
             "predicted_speedup": round(result.best.tokens_per_second / result.plain_predicted_tps, 3),
             "measured_tokens_per_s": {k: round(v, 3) for k, v in result.measured.items()},
             "machine": _machine_line(),

@@ -10,6 +10,10 @@ How a candidate is scored, without timing noise where none is needed:
   once; greedy verification accepts exactly the draft tokens that match it, so every candidate is
   run through the engine's own loop with the target replaced by that recorded output
   (:mod:`speculum.bench.replay`). This gives each step's tree size and accepted length exactly.
+  Sampling (``temperature`` > 0) is tuned the same way on seeded requests: prompt i's reference is
+  the text plain sampling gives with seed ``seed + i``, which every method gives too, and a draft
+  token is accepted exactly when it is that text's token (the draft model samples its chain with
+  the seed's noise, as in the real run).
   Ouroboros' verification phrases also read the target's predictions at rejected draft tokens,
   which no record holds: the replay computes those with the target (one forward at such a step,
   after a cache of the prompt + reference made once per prompt); the other drafters cost no
@@ -38,6 +42,7 @@ from speculum.bench.replay import ReplayRunner
 from speculum.costs import CostModel
 from speculum.errors import InvalidInputError
 from speculum.methods import SpeculativeConfig
+from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 
 # The parameters searched per method, in the order they are swept (the draft length first, as in
@@ -91,19 +96,20 @@ EXTRA_STARTS: dict[str, list[dict[str, Any]]] = {
 @dataclass
 class TunePrompt:
     ids: list[int]
-    reference: list[int]  # the target's greedy output
+    reference: list[int]  # the target's greedy output, or its seeded sampled text
     prefill_time: float
     plain_time: float  # plain decoding's wall time for the reference (measured once)
     hidden: Any = None  # the target's last hidden states over ids + reference (head drafters read them)
+    seed: int | None = None  # the seed of a sampled reference
     # made on the first replay and reused: it keeps the target's cache over ids + reference
     replayer: ReplayRunner | None = field(default=None, repr=False)
 
-    def replay(self, drafter, spec) -> Stats:
+    def replay(self, drafter, spec, sampling: SamplingParams | None = None) -> Stats:
         """Exact replay of ``drafter`` on this prompt (``spec``: the target, for drafters that read
-        its outputs off the accepted path)."""
+        its outputs off the accepted path; ``sampling``: the reference's, with its seed)."""
         if self.replayer is None or self.replayer.sequence != self.ids + self.reference:
             self.replayer = ReplayRunner(self.ids, self.reference, self.hidden, spec.runner)
-        return self.replayer.run(drafter, spec.eos_token_ids)
+        return self.replayer.run(drafter, spec.eos_token_ids, sampling, self.seed)
 
 
 def plain_seconds_per_token(prompts: list[TunePrompt]) -> float:
@@ -150,14 +156,30 @@ def _defaults(method: str) -> dict[str, Any]:
 
 
 def prepare_prompts(
-    spec, prompt_ids: list[list[int]], max_new_tokens: int, hidden: bool = False, batch: int = 1
+    spec,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    hidden: bool = False,
+    batch: int = 1,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
 ) -> list[TunePrompt]:
     """Each prompt's greedy reference, with plain decoding's timings (a one-prompt warm-up first);
     ``hidden``: also the target's hidden states over prompt + reference (one forward each).
+    ``sampling`` (not greedy): prompt i's reference is plain sampling's text with seed ``seed + i``.
 
     ``batch`` > 1: the references come from the batched engine, that many prompts at a time (far
     faster on a big target), and no timings are taken (NaN): for acceptance studies only."""
-    if batch > 1:
+    sampling = sampling or SamplingParams()
+    if not sampling.greedy:
+        kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens), seed=seed, **kw)
+        prompts = []
+        for i, ids in enumerate(prompt_ids):
+            result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens, seed=seed + i, **kw)
+            stats = result.stats
+            prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time, seed=seed + i))
+    elif batch > 1:
         references = []
         for first in range(0, len(prompt_ids), batch):
             results = spec.generate(prompt_ids[first : first + batch], "autoregressive", max_new_tokens=max_new_tokens)
@@ -183,8 +205,17 @@ class ReplayScorer:
     Each configuration gets a fresh drafter and a fresh pool, run over the prompts in order (so a
     pool kept across requests warms up over the sequence, as it would in service)."""
 
-    def __init__(self, spec, method: str, prompts: list[TunePrompt], cost: CostModel, log=lambda _: None):
+    def __init__(
+        self,
+        spec,
+        method: str,
+        prompts: list[TunePrompt],
+        cost: CostModel,
+        log=lambda _: None,
+        sampling: SamplingParams | None = None,
+    ):
         self.spec, self.method, self.prompts, self.cost, self.log = spec, method, prompts, cost, log
+        self.sampling = sampling or SamplingParams()  # the references' (seeded, when not greedy)
         self.defaults = _defaults(method)
         self.trace: list[Evaluation] = []
         self._cache: dict[tuple, Evaluation] = {}
@@ -204,10 +235,10 @@ class ReplayScorer:
         resources = dataclasses.replace(self.spec.resources(), shared={})
         drafter = config.drafter_class()(config.options(), resources)
         for p in warm_up:
-            p.replay(drafter, self.spec)
+            p.replay(drafter, self.spec, self.sampling)
         total, tokens, draft_time, lengths, trajectory = 0.0, 0, 0.0, [], []
         for p in self.prompts:
-            stats: Stats = p.replay(drafter, self.spec)
+            stats: Stats = p.replay(drafter, self.spec, self.sampling)
             model_time = sum(self.cost(size + 1) for size in stats.draft_sizes)
             total += p.prefill_time + stats.time_draft + stats.time_verify + stats.time_other + model_time
             tokens += stats.new_tokens
@@ -246,13 +277,17 @@ def tune(
     max_sweeps: int = 3,
     min_gain: float = 0.05,
     confirm: bool = True,
+    sampling: SamplingParams | None = None,
+    seed: int = 0,
     log: Callable[[str], None] = lambda _: None,
 ) -> TuneResult:
-    """Search ``method``'s parameters on ``prompt_ids`` (greedy); see the module docstring.
+    """Search ``method``'s parameters on ``prompt_ids``, greedy or under ``sampling`` (seeded
+    requests: prompt i's seed is ``seed + i``); see the module docstring.
 
     ``fixed``: parameters not searched. A change is kept when it predicts at least ``min_gain``
     (relative) more tokens/s. ``confirm``: time the choice against plain decoding and the defaults.
     """
+    sampling = sampling or SamplingParams()
     if method not in SEARCH_SPACES:
         raise InvalidInputError(f"speculum tune supports {', '.join(TUNABLE)}; got {method!r}")
     if not prompt_ids:
@@ -263,15 +298,15 @@ def tune(
     if getattr(cls, "needs_draft_model", False) and spec.draft_model is None:
         raise InvalidInputError(f"method {method!r} needs a draft model: pass --draft (a model or self:N)")
 
-    log("plain decoding: greedy references and timings")
-    prompts = prepare_prompts(spec, prompt_ids, max_new_tokens, hidden=cls.wants_hidden_states)
+    log("plain decoding: " + ("greedy references" if sampling.greedy else "seeded sampled references") + " and timings")
+    prompts = prepare_prompts(spec, prompt_ids, max_new_tokens, cls.wants_hidden_states, sampling=sampling, seed=seed)
     typical = sorted(prompts, key=lambda p: len(p.ids))[len(prompts) // 2]
     log("measuring the target's verification cost t(K)")
     cost = CostModel.measure(spec.runner, typical.ids + typical.reference[: max_new_tokens // 2], reps=5)
     cost = cost.with_plain_step(plain_seconds_per_token(prompts))
     log("t(K): " + ", ".join(f"K={k} {t * 1000:.1f} ms" for k, t in cost.points))
 
-    scorer = ReplayScorer(spec, method, prompts, cost, log=log)
+    scorer = ReplayScorer(spec, method, prompts, cost, log=log, sampling=sampling)
     defaults = scorer.defaults
     plain = {k: v for k, v in defaults.items() if k != "pool_path"}
     start = scorer.score({**plain, **fixed})
@@ -305,12 +340,17 @@ def tune(
     result = TuneResult(method, chosen, best, start, scorer.plain_tokens_per_second, scorer.trace, cost_model=cost)
     if confirm:
         log("confirming with a timed run (interleaved with plain decoding)")
-        result.measured = confirm_timing(spec, method, chosen, fixed, prompts, max_new_tokens)
+        result.measured = confirm_timing(spec, method, chosen, fixed, prompts, max_new_tokens, sampling)
     return result
 
 
-def confirm_timing(spec, method, chosen, fixed, prompts: list[TunePrompt], max_new_tokens: int) -> dict[str, float]:
-    """Tokens/s of plain decoding, the method's defaults and the chosen parameters, interleaved per prompt."""
+def confirm_timing(
+    spec, method, chosen, fixed, prompts: list[TunePrompt], max_new_tokens: int, sampling: SamplingParams | None = None
+) -> dict[str, float]:
+    """Tokens/s of plain decoding, the method's defaults and the chosen parameters, interleaved per
+    prompt (sampled with each prompt's seed where ``sampling`` is not greedy)."""
+    sampling = sampling or SamplingParams()
+    kw = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     # "defaults" are the published ones the search starts from; each setting keeps its own pools, so
     # that one never reads phrases another harvested from the same prompt's output
     runs = {
@@ -323,10 +363,10 @@ def confirm_timing(spec, method, chosen, fixed, prompts: list[TunePrompt], max_n
     tokens = dict.fromkeys(runs, 0)
     labels = list(runs)
     for config in runs.values():  # warm-up
-        spec.generate(prompts[0].ids, config, max_new_tokens=min(8, max_new_tokens))
+        spec.generate(prompts[0].ids, config, max_new_tokens=min(8, max_new_tokens), seed=prompts[0].seed, **kw)
     for i, p in enumerate(prompts):
         for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
-            result = spec.generate(p.ids, runs[label], max_new_tokens=max_new_tokens)
+            result = spec.generate(p.ids, runs[label], max_new_tokens=max_new_tokens, seed=p.seed, **kw)
             times[label] += result.stats.wall_time
             tokens[label] += len(result.token_ids)
     return {label: tokens[label] / times[label] for label in labels if times[label] > 0}
