@@ -126,6 +126,24 @@ def test_tuning_for_sampling_replays_the_seeded_runs(spec):
     assert result.best.tokens_per_second >= result.start.tokens_per_second
 
 
+@pytest.mark.parametrize("change", [{"num_speculative_tokens": 6}, {"ngram_size": 4}, {}])
+def test_a_tuned_setting_loads_as_tuned_over_the_machines_defaults(change):
+    """The search starts from the defaults a user gets on this device (the measured CPU setting of
+    Ouroboros); the file it writes loads as the setting it chose, whether or not that setting
+    changed a parameter of the measured one (giving one replaces the measured setting whole)."""
+    from speculum.methods import machine_defaults
+    from speculum.tune import _defaults, chosen_params
+
+    defaults = _defaults("ouroboros", "cpu")
+    measured = machine_defaults("ouroboros", "cpu")
+    assert measured and all(defaults[k] == v for k, v in measured.items())
+    current = {**defaults, **change}
+    chosen = chosen_params(current, defaults, {}, measured)
+    options = SpeculativeConfig.coerce("ouroboros", **chosen).options("cpu")
+    assert {k: getattr(options, k) for k in current} == current
+    assert set(change) <= set(chosen)
+
+
 def test_a_sweep_moves_to_the_best_value_not_the_first_that_clears_the_bar():
     from types import SimpleNamespace
 
@@ -269,8 +287,11 @@ def test_tune_ignores_parameters_that_change_nothing(spec):
         min_gain=0.0,
         confirm=False,
     )
-    assert "window_size" not in result.params and "draft_guesses" not in result.params
-    tried = [ev for ev in result.trace if ev.params["window_size"] != 15]
+    # (the search starts from the CPU's measured setting; a file that fixes some of its parameters
+    # gives all of them, W and the guesses included, at their starting values)
+    start = result.start.params
+    assert all(result.params.get(k, start[k]) == start[k] for k in ("window_size", "draft_guesses"))
+    tried = [ev for ev in result.trace if ev.params["window_size"] != start["window_size"]]
     assert tried  # they were scored, and refused
 
 

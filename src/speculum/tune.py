@@ -41,7 +41,7 @@ from typing import Any
 from speculum.bench.replay import ReplayRunner
 from speculum.costs import CostModel
 from speculum.errors import InvalidInputError
-from speculum.methods import SpeculativeConfig
+from speculum.methods import SpeculativeConfig, machine_defaults
 from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 
@@ -150,8 +150,9 @@ class TuneResult:
         return SpeculativeConfig.coerce(self.method, **self.params)
 
 
-def _defaults(method: str) -> dict[str, Any]:
-    options = SpeculativeConfig(method).options()
+def _defaults(method: str, device_type: str | None = None) -> dict[str, Any]:
+    """Every parameter of ``method`` as a user gets it on ``device_type`` (its measured setting there)."""
+    options = SpeculativeConfig(method).options(device_type)
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
@@ -216,7 +217,7 @@ class ReplayScorer:
     ):
         self.spec, self.method, self.prompts, self.cost, self.log = spec, method, prompts, cost, log
         self.sampling = sampling or SamplingParams()  # the references' (seeded, when not greedy)
-        self.defaults = _defaults(method)
+        self.defaults = _defaults(method, getattr(spec, "device_type", None))
         self.trace: list[Evaluation] = []
         self._cache: dict[tuple, Evaluation] = {}
         steps = sum(len(p.reference) for p in prompts)
@@ -336,12 +337,24 @@ def tune(
         if not changed:
             break
 
-    chosen = {k: v for k, v in current.items() if k in fixed or v != defaults.get(k)}
+    chosen = chosen_params(current, defaults, fixed, machine_defaults(method, getattr(spec, "device_type", None)))
     result = TuneResult(method, chosen, best, start, scorer.plain_tokens_per_second, scorer.trace, cost_model=cost)
     if confirm:
         log("confirming with a timed run (interleaved with plain decoding)")
         result.measured = confirm_timing(spec, method, chosen, fixed, prompts, max_new_tokens, sampling)
     return result
+
+
+def chosen_params(
+    current: dict[str, Any], defaults: dict[str, Any], fixed: dict[str, Any], measured: dict[str, Any]
+) -> dict[str, Any]:
+    """What a config file must give to load as ``current``: the parameters fixed or unlike the
+    defaults; and since a config that gives any parameter of the machine's ``measured`` setting
+    replaces that setting whole (:meth:`SpeculativeConfig.options`), then all of them."""
+    chosen = {k: v for k, v in current.items() if k in fixed or v != defaults.get(k)}
+    if set(chosen) & set(measured):
+        chosen.update({k: current[k] for k in measured})
+    return chosen
 
 
 def confirm_timing(
