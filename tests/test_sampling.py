@@ -290,6 +290,27 @@ def _first_tokens_exact(model, prompt, sampling, n):
     return joint
 
 
+def test_ouroboros_draft_picks_by_the_seeded_requests_noise():
+    """At T > 0 with a seed, Ouroboros' draft picks its tokens by the request's noise, as the target
+    does: a draft equal to the target is accepted (nearly) always, even on the tiny model's nearly
+    flat distributions, where its argmax would be the sampled token about one time in ten."""
+    model = tiny_model("llama", vocab_size=16)
+    prompt = [3, 4, 5] + reference_greedy(model, [3, 4, 5], 12)
+    sampling = SamplingParams(temperature=1.0)
+    params = dict(num_speculative_tokens=4, phrase_drafting=False, lengthen=False, context_phrases=False,
+                  length_policy="fixed")  # fmt: skip
+    accepted = drafted = 0
+    for seed in range(4):
+        plain_noise, noise = (PositionNoise(torch.Generator().manual_seed(seed)) for _ in range(2))
+        plain, _ = generate_ids(model, prompt, build_drafter("autoregressive"), 24, sampling, plain_noise.generator,
+                                noise=plain_noise)  # fmt: skip
+        drafter = build_drafter("ouroboros", model, 16, **params)
+        out, stats = generate_ids(model, prompt, drafter, 24, sampling, noise.generator, noise=noise)
+        assert out == plain
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
+    assert drafted >= 40 and accepted >= 0.9 * drafted
+
+
 def _draft_for(target, vocab_size: int):
     """A draft close to the target (so its drafts are often accepted several tokens deep), with a head
     of ``vocab_size`` rows (wider or narrower than the target's)."""

@@ -35,7 +35,11 @@ feed it too (the reference's lookahead trajectories).
 
 Lossless for greedy decoding and sampling: the draft is greedy (deterministic), so every branch
 is verified by the sample-and-match rule (exactly one-hot rejection sampling), as the authors
-advise for temperature > 0 (their code is greedy only).
+advise for temperature > 0 (their code is greedy only). In a seeded sampled request the draft
+instead picks each token by the request's own noise (:class:`~speculum.sampling.PositionNoise`),
+as ``draft_model`` does: the target picks its token at that position by the same noise, so a draft
+token is accepted with probability near 1 - TV(p, q) instead of p(argmax q), which is what pays at
+T = 1 on open chat (the text is the seed's, whatever is drafted).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
 from speculum.policies import DraftStep, check_policy_options, policy_for
 from speculum.runner import LazyLogits
+from speculum.sampling import warp
 from speculum.tree import TokenTree
 
 __all__ = ["Options", "OuroborosDrafter"]
@@ -378,6 +383,7 @@ class PhraseRound:
         self._anchor = -1
         self._path: list[int] = []
         self._best = 0
+        self._dists: dict[int, torch.Tensor] = {}  # node -> the draft's warped distribution after it (coupled)
 
     def tree(self) -> TokenTree:
         d, forced = self.drafter, self.forced
@@ -400,16 +406,28 @@ class PhraseRound:
 
     def path(self, logits) -> list[int]:
         """The tree nodes the draft keeps: the forced chain, then its guesses as far as its own
-        greedy choice follows them."""
-        d, tree = self.drafter, self._tree
+        choice follows them. The choice is greedy, or in a seeded sampled request the token that
+        request's noise picks from the draft's warped distribution at that position, as
+        ``draft_model`` samples its chain: the target samples with the same noise, so the two agree
+        far more often than on the draft's argmax where the distributions are flat."""
+        d, tree, ctx = self.drafter, self._tree, self.ctx
         node = 0 if self._anchor < 0 else tree.node_of[self._anchor]
         path = tree.path_to(node)
+        coupled = ctx.noise is not None and not ctx.sampling.greedy
+        position = len(ctx.tokens) - ctx.prompt_length + len(self.chain)  # generated position of the next token
+        self._dists = {}
         while True:
-            best = d._argmax(logits, [path[-1]])[0]
+            if coupled:
+                dist = warp(d._rows(logits, [path[-1]])[0], ctx.sampling)[0]
+                self._dists[path[-1]] = dist
+                best = ctx.noise.choose(dist, position)
+            else:
+                best = d._argmax(logits, [path[-1]])[0]
             child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == best), None)
             if child is None:
                 break
             path.append(child)
+            position += 1
         self._path, self._best = path, best
         return path
 
@@ -426,7 +444,7 @@ class PhraseRound:
         rows = d._rows(logits, deciding)
         states = hidden[deciding] if hidden is not None else [None] * len(deciding)
         policy, chain = d.policy, self.chain
-        for token, row, state in zip(produced, rows, states, strict=True):
+        for node, token, row, state in zip(deciding, produced, rows, states, strict=True):
             if d.vocab_size is not None and token >= d.vocab_size:
                 self.done = True  # a draft-only id the target cannot verify
                 return
@@ -434,8 +452,9 @@ class PhraseRound:
                 self.done = True
                 return
             chain.append(token)
-            if ctx.wants_scores:
-                self.scores.append(token_probability(row, token))
+            if ctx.wants_scores:  # (sampled: of the most likely token, as draft_model's)
+                dist = self._dists.get(node)
+                self.scores.append(token_probability(row, token) if dist is None else float(dist.max()))
             if token in ctx.eos_token_ids or len(chain) >= self.budget:
                 self.done = True
                 return
