@@ -311,6 +311,27 @@ def test_ouroboros_draft_picks_by_the_seeded_requests_noise():
     assert drafted >= 40 and accepted >= 0.9 * drafted
 
 
+def test_an_unseeded_ouroboros_request_samples_by_noise_too(model_dir):
+    """Without a seed, a sampled Ouroboros request still samples by a noise (of fresh entropy), so
+    its draft picks by it; draft_model's keeps speculative sampling's rule; greedy needs none."""
+    import speculum
+    from speculum.methods import SpeculativeConfig
+
+    spec = speculum.load(model_dir, draft="self:1", dtype="float32")
+    ids = spec.encode_prompt("w3 w4 w5 w6 w3 w4")
+
+    def request(method, **kw):
+        config = SpeculativeConfig.coerce(method)
+        return spec.request(ids, config, spec.drafters_for(config, 1)[0], max_new_tokens=8, **kw)
+
+    assert request("ouroboros", temperature=0.8).noise is not None
+    assert request("draft_model", temperature=0.8).noise is None
+    assert request("draft_model", temperature=0.8, seed=1).noise is not None
+    assert request("ouroboros").noise is None
+    texts = {tuple(spec.generate(ids, "ouroboros", max_new_tokens=12, temperature=1.0).token_ids) for _ in range(4)}
+    assert len(texts) > 1  # fresh entropy per request
+
+
 def _draft_for(target, vocab_size: int):
     """A draft close to the target (so its drafts are often accepted several tokens deep), with a head
     of ``vocab_size`` rows (wider or narrower than the target's)."""

@@ -263,7 +263,9 @@ class Speculum:
             controller = self.controller_for(config, not sampling.greedy).for_row(gate_only=True)
         generator = self._generator(sampling, seed)
         # a seed gives the same text again, whatever is drafted: sampled by noise fixed per position
-        noise = PositionNoise(generator) if seed is not None and generator is not None else None
+        # (also without a seed where the drafter's drafts are accepted more often that way)
+        by_noise = seed is not None or getattr(drafter, "samples_by_noise", False)
+        noise = PositionNoise(generator) if by_noise and generator is not None else None
         return engine.Request(
             list(prompt_ids), drafter, sampling, max_new_tokens, self.eos_token_ids,
             generator, Stats(), controller, noise,

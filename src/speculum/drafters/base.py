@@ -230,6 +230,12 @@ class Drafter:
     # stats' draft time keeps it). Issue #18: a 0.5B draft's prefill charged to one round made
     # it look like a loss on short translations, and the back-off it started carried over.
     catch_up_seconds: float = 0.0
+    # Whether a sampled request without a seed should still sample by a PositionNoise (of fresh
+    # entropy): set by drafters whose draft picks its tokens by that noise where the standard rule
+    # would have a deterministic draft token accepted only with p(token) (Ouroboros' draft).
+    # draft_model leaves it off: its chain, sampled from q, is accepted a little more often under
+    # speculative sampling's rule than by the noise (0.93-0.99 of it, BENCHMARKS.md issue #18).
+    samples_by_noise: ClassVar[bool] = False
 
     def check(self, sampling: SamplingParams) -> None:
         """Refuse (InvalidInputError) a request this drafter cannot serve exactly; called when the request

@@ -39,7 +39,8 @@ advise for temperature > 0 (their code is greedy only). In a seeded sampled requ
 instead picks each token by the request's own noise (:class:`~speculum.sampling.PositionNoise`),
 as ``draft_model`` does: the target picks its token at that position by the same noise, so a draft
 token is accepted with probability near 1 - TV(p, q) instead of p(argmax q), which is what pays at
-T = 1 on open chat (the text is the seed's, whatever is drafted).
+T = 1 on open chat (the text is the seed's, whatever is drafted). A sampled request without a seed
+samples by a noise of fresh entropy for the same reason (``samples_by_noise``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class OuroborosDrafter(Drafter):
     """Ouroboros over a draft model or ``self:N`` (see the module docstring)."""
 
     name: ClassVar[str] = "ouroboros"
+    samples_by_noise: ClassVar[bool] = True  # (its draft picks by the request's noise: see the module docstring)
     Options: ClassVar[type] = Options
     needs_draft_model = True
 
