@@ -222,7 +222,17 @@ speculum bench $Q --max-new-tokens 64 --out $OUT/i18/qwen-greedy-64-v6 --methods
 speculum bench $Q --max-new-tokens 128 --out $OUT/i18/qwen-greedy-128-v7 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
 speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-128-v5 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
-# ninth pass: Ouroboros' draft picks by a seeded request's noise
+# ninth pass: Ouroboros' draft picks by a seeded request's noise; Ouroboros tuned for T=1 on MT-bench 101-105
+python - <<'PY'
+import json
+from speculum.bench.datasets import load_dataset
+with open("/tmp/mt101-105.jsonl", "w") as f:
+    for p in load_dataset("mt_bench")[20:25]:
+        f.write(json.dumps({"question_id": p.question_id, "turns": [p.text]}) + "\n")
+PY
+speculum tune --method ouroboros --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dataset /tmp/mt101-105.jsonl \
+  --limit 5 --max-new-tokens 64 --chat --temperature 1 --seed 0 --sweeps 1 --threads 2 \
+  --out benchmarks/results/ouroboros-qwen-tuned-t1.json
 speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-128-v6 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
