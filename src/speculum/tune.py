@@ -170,29 +170,24 @@ def prepare_prompts(
     ``sampling`` (not greedy): prompt i's reference is plain sampling's text with seed ``seed + i``.
 
     ``batch`` > 1: the references come from the batched engine, that many prompts at a time (far
-    faster on a big target), and no timings are taken (NaN): for acceptance studies only."""
+    faster on a big target), and no timings are taken (NaN): for acceptance studies only (greedy;
+    sampled references are generated one at a time)."""
     sampling = sampling or SamplingParams()
-    if not sampling.greedy:
-        kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens), seed=seed, **kw)
-        prompts = []
-        for i, ids in enumerate(prompt_ids):
-            result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens, seed=seed + i, **kw)
-            stats = result.stats
-            prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time, seed=seed + i))
-    elif batch > 1:
+    if batch > 1 and sampling.greedy:
         references = []
         for first in range(0, len(prompt_ids), batch):
             results = spec.generate(prompt_ids[first : first + batch], "autoregressive", max_new_tokens=max_new_tokens)
             references.extend(result.token_ids for result in results)
         prompts = [TunePrompt(ids, ref, math.nan, math.nan) for ids, ref in zip(prompt_ids, references, strict=True)]
     else:
-        spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens))
+        kw = _sampling_kwargs(sampling)
+        seeds = [None if sampling.greedy else seed + i for i in range(len(prompt_ids))]
+        spec.generate(prompt_ids[0], "autoregressive", max_new_tokens=min(8, max_new_tokens), seed=seeds[0], **kw)
         prompts = []
-        for ids in prompt_ids:
-            result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens)
+        for ids, request_seed in zip(prompt_ids, seeds, strict=True):
+            result = spec.generate(ids, "autoregressive", max_new_tokens=max_new_tokens, seed=request_seed, **kw)
             stats = result.stats
-            prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time))
+            prompts.append(TunePrompt(ids, result.token_ids, stats.time_prefill, stats.wall_time, seed=request_seed))
     if hidden:
         runner = spec.runner
         for p in prompts:
@@ -362,8 +357,7 @@ def confirm_timing(
 ) -> dict[str, float]:
     """Tokens/s of plain decoding, the method's defaults and the chosen parameters, interleaved per
     prompt (sampled with each prompt's seed where ``sampling`` is not greedy)."""
-    sampling = sampling or SamplingParams()
-    kw = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    kw = _sampling_kwargs(sampling or SamplingParams())
     # "defaults" are the published ones the search starts from; each setting keeps its own pools, so
     # that one never reads phrases another harvested from the same prompt's output
     runs = {
@@ -383,6 +377,13 @@ def confirm_timing(
             times[label] += result.stats.wall_time
             tokens[label] += len(result.token_ids)
     return {label: tokens[label] / times[label] for label in labels if times[label] > 0}
+
+
+def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """``spec.generate``'s keywords for ``sampling`` (none for greedy)."""
+    if sampling.greedy:
+        return {}
+    return dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
 
 
 def _describe(params: dict[str, Any], defaults: dict[str, Any]) -> str:

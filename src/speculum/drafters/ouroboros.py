@@ -408,7 +408,7 @@ class PhraseRound:
 
     def path(self, logits) -> list[int]:
         """The tree nodes the draft keeps: the forced chain, then its guesses as far as its own
-        choice follows them. The choice is greedy, or in a seeded sampled request the token that
+        choice follows them. The choice is greedy, or in a sampled request with a noise the token that
         request's noise picks from the draft's warped distribution at that position, as
         ``draft_model`` samples its chain: the target samples with the same noise, so the two agree
         far more often than on the draft's argmax where the distributions are flat."""
