@@ -60,6 +60,41 @@ def test_machine_defaults_apply_on_cpu_as_a_whole_and_paper_preset_keeps_the_pub
         speculum.SpeculativeConfig("draft_model", preset="fast")
 
 
+def test_sampled_requests_get_the_devices_sampled_setting_and_share_the_pools(spec, monkeypatch):
+    """Ouroboros' CPU setting differs at T > 0 (tuned at T=1): a sampled request runs a drafter built
+    with it, a greedy one the greedy setting's, both over one phrase pool; the seeded text is plain
+    sampling's either way."""
+    from speculum.methods import SAMPLED_MACHINE_DEFAULTS
+
+    config = speculum.SpeculativeConfig("ouroboros", num_phrase_candidates=2)  # (not a parameter of the setting)
+    greedy, sampled = spec.drafter_for(config), spec.drafter_for(config, sampled=True)
+    assert greedy is not sampled
+    changed = SAMPLED_MACHINE_DEFAULTS["cpu"]["ouroboros"]
+    assert all(getattr(sampled.options, k) == v for k, v in changed.items())
+    assert any(getattr(greedy.options, k) != v for k, v in changed.items())
+    assert greedy.pool is sampled.pool
+    assert spec.drafter_for(config, sampled=True) is sampled  # built once
+    # a method whose setting does not change for sampling keeps one drafter for both
+    assert spec.drafter_for(speculum.SpeculativeConfig("anpd"), sampled=True) is spec.drafter_for(
+        speculum.SpeculativeConfig("anpd")
+    )
+    # naming a parameter of the greedy setting drops the sampled one too (a setting is one combination)
+    named = speculum.SpeculativeConfig("ouroboros", window_size=0)
+    assert named.options("cpu", sampled=True) == named.options("cpu")
+
+    started = []
+    for which, drafter in (("greedy", greedy), ("sampled", sampled)):
+        start = drafter.start
+        monkeypatch.setattr(drafter, "start", lambda ctx, start=start, which=which: (started.append(which), start(ctx)))
+    plain = spec.generate(PROMPT, "autoregressive", max_new_tokens=16, temperature=1.0, seed=3)
+    result = spec.generate(PROMPT, config, max_new_tokens=16, temperature=1.0, seed=3)
+    assert started == ["sampled"] and result.token_ids == plain.token_ids
+    spec.generate(PROMPT, config, max_new_tokens=4)
+    assert started == ["sampled", "greedy"]
+    spec.forget(config)
+    assert spec.drafter_for(config, sampled=True) is not sampled  # forgotten: both are built afresh
+
+
 def test_stream_concatenates_to_text(spec):
     stream = spec.generate(PROMPT, "prompt_lookup", max_new_tokens=20, stream=True)
     chunks = list(stream)

@@ -126,20 +126,23 @@ def test_tuning_for_sampling_replays_the_seeded_runs(spec):
     assert result.best.tokens_per_second >= result.start.tokens_per_second
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("change", [{"num_speculative_tokens": 6}, {"ngram_size": 4}, {}])
-def test_a_tuned_setting_loads_as_tuned_over_the_machines_defaults(change):
-    """The search starts from the defaults a user gets on this device (the measured CPU setting of
-    Ouroboros); the file it writes loads as the setting it chose, whether or not that setting
-    changed a parameter of the measured one (giving one replaces the measured setting whole)."""
+def test_a_tuned_setting_loads_as_tuned_over_the_machines_defaults(change, sampled):
+    """The search starts from the defaults a user gets on this device for the requests tuned for
+    (the measured CPU setting of Ouroboros, greedy or sampled); the file it writes loads as the
+    setting it chose, whether or not that setting changed a parameter of the measured one (giving
+    one replaces the measured setting whole)."""
     from speculum.methods import machine_defaults
     from speculum.tune import _defaults, chosen_params
 
-    defaults = _defaults("ouroboros", "cpu")
-    measured = machine_defaults("ouroboros", "cpu")
+    defaults = _defaults("ouroboros", "cpu", sampled)
+    measured = machine_defaults("ouroboros", "cpu", sampled)
     assert measured and all(defaults[k] == v for k, v in measured.items())
+    assert (defaults != _defaults("ouroboros", "cpu")) == sampled  # Ouroboros' setting differs at T > 0
     current = {**defaults, **change}
     chosen = chosen_params(current, defaults, {}, measured)
-    options = SpeculativeConfig.coerce("ouroboros", **chosen).options("cpu")
+    options = SpeculativeConfig.coerce("ouroboros", **chosen).options("cpu", sampled)
     assert {k: getattr(options, k) for k in current} == current
     assert set(change) <= set(chosen)
 

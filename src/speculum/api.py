@@ -114,25 +114,32 @@ class Speculum:
             self._vocab_key = vocab_fingerprint(self.tokenizer) if self.tokenizer is not None else self.name
         return self._vocab_key
 
-    def drafter_for(self, config: SpeculativeConfig):
+    def drafter_for(self, config: SpeculativeConfig, sampled: bool = False):
         """Drafters are built once per configuration and reused (their per-request state resets in start())."""
-        return self.drafters_for(config, 1)[0]
+        return self.drafters_for(config, 1, sampled)[0]
 
-    def drafters_for(self, config: SpeculativeConfig, rows: int) -> list:
+    def drafters_for(self, config: SpeculativeConfig, rows: int, sampled: bool = False) -> list:
         """``rows`` drafters of ``config``, one per row of a batch (each keeps its own request's
-        state; pools such as Ouroboros' phrases are shared between them). Built once and reused."""
+        state; pools such as Ouroboros' phrases are shared between them). Built once and reused.
+
+        ``sampled``: for sampled requests, whose drafters are others where the device's measured
+        setting differs for them (``SAMPLED_MACHINE_DEFAULTS``); they share the greedy drafters' pools."""
         key = config.key()
-        built = self._drafters.setdefault(key, [])
+        options = config.options(self.device_type, sampled)
+        own = (key, "sampled") if sampled and options != config.options(self.device_type) else key
+        built = self._drafters.setdefault(own, [])
         if key not in self._shared_uses:
             self._shared_uses[key] = set()
         namespace = key if self.pools_per_config else None
         resources = replace(self.resources(), shared=_SharedView(self._shared, self._shared_uses[key], namespace))
         try:
             while len(built) < rows:
-                built.append(config.drafter_class()(config.options(self.device_type), resources))
+                built.append(config.drafter_class()(options, resources))
         except BaseException:
             if not built:
-                del self._drafters[key], self._shared_uses[key]
+                del self._drafters[own]
+                if not any(k in (key, (key, "sampled")) for k in self._drafters):
+                    del self._shared_uses[key]
             raise
         return built[:rows]
 
@@ -152,6 +159,7 @@ class Speculum:
         recent configurations bounds their pools this way too. The next use of ``config`` starts afresh."""
         key = SpeculativeConfig.coerce(config).key()
         self._drafters.pop(key, None)
+        self._drafters.pop((key, "sampled"), None)
         for sampled in (False, True):
             self._controllers.pop((key, sampled), None)
         self._shared_uses.pop(key, None)
@@ -212,7 +220,8 @@ class Speculum:
         config = SpeculativeConfig.coerce(self.default_config if method is None else method, **method_params)
         batched = _is_batch(prompt)
         prompts = [self.encode_prompt(p) for p in (prompt if batched else [prompt])]
-        drafters = self.drafters_for(config, len(prompts))
+        sampled = not SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k).greedy  # (checked here)
+        drafters = self.drafters_for(config, len(prompts), sampled)
         requests = [
             self.request(ids, config, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
                          top_p=top_p, top_k=top_k, seed=seed, own_controller=batched)

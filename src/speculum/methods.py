@@ -73,9 +73,25 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def machine_defaults(method: str, device_type: str | None) -> dict[str, Any]:
-    """The measured setting of ``method`` on a device of ``device_type`` ("cpu", "cuda"), or {}."""
-    return dict(MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
+# Where a method's best setting differs for sampled requests (temperature > 0): what changes over the
+# device's setting above, for those requests only (the drafter of a sampled request is built with it).
+SAMPLED_MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        # `speculum tune --method ouroboros --temperature 1` on MT-bench 101-105 (issue #18,
+        # benchmarks/results/ouroboros-qwen-tuned-t1.json): at T=1 a draft token is accepted less
+        # often, so the chain stops on the draft's confidence, and one pool guess is worth its cost
+        "ouroboros": {"length_policy": "confidence", "draft_guesses": 1},
+    },
+}
+
+
+def machine_defaults(method: str, device_type: str | None, sampled: bool = False) -> dict[str, Any]:
+    """The measured setting of ``method`` on a device of ``device_type`` ("cpu", "cuda") for greedy
+    or ``sampled`` requests, or {}."""
+    measured = dict(MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
+    if sampled:
+        measured.update(SAMPLED_MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
+    return measured
 
 
 class SpeculativeConfig:
@@ -116,15 +132,16 @@ class SpeculativeConfig:
         module_name, class_name = METHODS[self.method].split(":")
         return getattr(importlib.import_module(module_name), class_name)
 
-    def options(self, device_type: str | None = None):
+    def options(self, device_type: str | None = None, sampled: bool = False):
         """The method's Options: the parameters given, over the measured setting for ``device_type``
-        (preset "machine", when no parameter of that setting is given), over the published defaults."""
+        and greedy or ``sampled`` requests (preset "machine", when no parameter of that setting is
+        given), over the published defaults."""
         options_cls = importlib.import_module(METHODS[self.method].split(":")[0]).Options
         names = {f.name for f in dataclasses.fields(options_cls)}
         values = dict(self.params)
         if self.num_speculative_tokens is not None:
             values["num_speculative_tokens"] = self.num_speculative_tokens
-        measured = machine_defaults(self.method, device_type) if self.preset == "machine" else {}
+        measured = machine_defaults(self.method, device_type, sampled) if self.preset == "machine" else {}
         if not set(measured) & set(values):
             values = {**measured, **values}
         unknown = sorted(set(values) - names)

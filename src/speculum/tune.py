@@ -150,9 +150,10 @@ class TuneResult:
         return SpeculativeConfig.coerce(self.method, **self.params)
 
 
-def _defaults(method: str, device_type: str | None = None) -> dict[str, Any]:
-    """Every parameter of ``method`` as a user gets it on ``device_type`` (its measured setting there)."""
-    options = SpeculativeConfig(method).options(device_type)
+def _defaults(method: str, device_type: str | None = None, sampled: bool = False) -> dict[str, Any]:
+    """Every parameter of ``method`` as a user gets it on ``device_type`` for greedy or ``sampled``
+    requests (its measured setting there)."""
+    options = SpeculativeConfig(method).options(device_type, sampled)
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
@@ -212,7 +213,7 @@ class ReplayScorer:
     ):
         self.spec, self.method, self.prompts, self.cost, self.log = spec, method, prompts, cost, log
         self.sampling = sampling or SamplingParams()  # the references' (seeded, when not greedy)
-        self.defaults = _defaults(method, getattr(spec, "device_type", None))
+        self.defaults = _defaults(method, getattr(spec, "device_type", None), not self.sampling.greedy)
         self.trace: list[Evaluation] = []
         self._cache: dict[tuple, Evaluation] = {}
         steps = sum(len(p.reference) for p in prompts)
@@ -332,7 +333,8 @@ def tune(
         if not changed:
             break
 
-    chosen = chosen_params(current, defaults, fixed, machine_defaults(method, getattr(spec, "device_type", None)))
+    measured = machine_defaults(method, getattr(spec, "device_type", None), not scorer.sampling.greedy)
+    chosen = chosen_params(current, defaults, fixed, measured)
     result = TuneResult(method, chosen, best, start, scorer.plain_tokens_per_second, scorer.trace, cost_model=cost)
     if confirm:
         log("confirming with a timed run (interleaved with plain decoding)")

@@ -14,6 +14,7 @@ from typing import Any
 
 from speculum.bench.datasets import Prompt, load_datasets
 from speculum.errors import InvalidInputError, SpeculumError
+from speculum.sampling import SamplingParams
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 BASELINE_METHODS = ("autoregressive", "hf_generate")
@@ -326,7 +327,8 @@ def run_speculum(
     for k in ("discard_rate", "verification_rate", "stop_reason"):
         if k in stats:
             rec[k] = stats[k]
-    drafter_stats = spec.drafter_for(config).request_stats() if hasattr(spec, "drafter_for") else {}
+    drafter = spec.drafter_for(config, not SamplingParams(temperature).greedy) if hasattr(spec, "drafter_for") else None
+    drafter_stats = drafter.request_stats() if drafter is not None else {}
     if drafter_stats:
         rec["drafter"] = drafter_stats
     return rec

@@ -25,6 +25,7 @@ from speculum import engine
 from speculum.api import IncrementalText, Speculum
 from speculum.errors import SpeculumError
 from speculum.methods import SpeculativeConfig
+from speculum.sampling import SamplingParams
 from speculum.server.metrics import Metrics
 from speculum.server.protocol import ApiError, timeout_error
 from speculum.stats import Stats
@@ -373,7 +374,7 @@ class Worker:
         queue_time = time.monotonic() - job.arrival
         self._keep_config(job.config)
         try:
-            drafter = self._free_drafter(job.config)
+            drafter = self._free_drafter(job.config, sampled=not SamplingParams(job.temperature).greedy)
             if hasattr(drafter, "save_on_finish"):
                 drafter.save_on_finish = False  # Ouroboros: the worker saves its pool (see _save_if_due)
             # a request that joins others gets a controller of its own (a lone one runs as
@@ -393,11 +394,12 @@ class Worker:
         active.output, active.text = Output(job.stop), IncrementalText(self.spec.decode)
         self._active.append(active)
 
-    def _free_drafter(self, config: SpeculativeConfig):
-        """A drafter of ``config`` that no request in flight uses (drafters keep per-request state)."""
+    def _free_drafter(self, config: SpeculativeConfig, sampled: bool):
+        """A drafter of ``config`` for a greedy or ``sampled`` request that no request in flight uses
+        (drafters keep per-request state)."""
         busy = {id(a.drafter) for a in self._active}
         count = sum(1 for a in self._active if a.job.config.key() == config.key()) + 1
-        return next(d for d in self.spec.drafters_for(config, count) if id(d) not in busy)
+        return next(d for d in self.spec.drafters_for(config, count, sampled) if id(d) not in busy)
 
     def _prefill(self) -> None:
         """Prefill joining requests, at most ``prefill_chunk`` tokens, and add those whose prefill is
