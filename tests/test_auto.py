@@ -40,12 +40,13 @@ def test_auto_takes_what_the_model_has():
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("controlled", [False, True])
-def test_auto_equals_plain_greedy(arch, controlled):
+@pytest.mark.parametrize("part", ["draft_model", "ouroboros"])
+def test_auto_equals_plain_greedy(arch, controlled, part):
     model = tiny_model(arch)
     draft = perturbed_copy(model, scale=0.3)
     prompt = repetitive_prompt(24, 5, seed=3)
     reference = reference_greedy(model, prompt, 30)
-    drafter = auto(model, draft)
+    drafter = auto(model, draft, drafters=f"anpd,prompt_lookup,{part}")
     controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)])) if controlled else None
     for _ in range(2):
         stats = Stats()
@@ -53,14 +54,16 @@ def test_auto_equals_plain_greedy(arch, controlled):
                            controller)  # fmt: skip
         assert [t for step in steps for t in step] == reference
         assert sum(stats.accepted_by.values()) == stats.accepted_tokens
-        assert set(stats.accepted_by) <= {"anpd", "prompt_lookup", "draft_model"}
+        assert set(stats.accepted_by) <= {"anpd", "prompt_lookup", "draft_model", "phrases"}
 
 
-def test_auto_sampling_follows_the_target():
-    """Sampled draft-model chains merged with deterministic n-gram branches: exact (chi-square)."""
+@pytest.mark.parametrize("part", ["draft_model", "ouroboros"])
+def test_auto_sampling_follows_the_target(part):
+    """Sampled draft-model chains merged with deterministic n-gram branches, or Ouroboros' chains
+    picked by the request's noise with phrases below them: exact (chi-square)."""
     from scipy.stats import chisquare
 
-    from speculum.sampling import warp
+    from speculum.sampling import PositionNoise, warp
 
     model = tiny_model("llama", vocab_size=16)
     draft = perturbed_copy(model, scale=0.3)
@@ -73,13 +76,16 @@ def test_auto_sampling_follows_the_target():
             p2 = warp(model(torch.tensor([prompt + [a]], device=model.device)).logits[0, -1], sampling)[0]
             for b in torch.nonzero(p2 > 0).flatten().tolist():
                 exact[(a, b)] = p1[a].item() * p2[b].item()
-    drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3, draft_depth=3)
+    drafter = build_drafter("auto", draft, 16, target=model, num_speculative_tokens=3, draft_depth=3,
+                            drafters=f"anpd,prompt_lookup,{part}")  # fmt: skip
+    assert drafter.samples_by_noise == (part == "ouroboros")
     gen = torch.Generator(model.device).manual_seed(5)
     counts = dict.fromkeys(exact, 0)
     trials, mixed = 1500, 0
     for _ in range(trials):
         stats = Stats()
-        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 2, frozenset(), gen, stats)
+        noise = PositionNoise(gen) if drafter.samples_by_noise else None  # (as the API gives it)
+        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 2, frozenset(), gen, stats, None, noise)
         counts[tuple(t for step in steps for t in step)] += 1
         mixed += len(stats.accepted_by) > 0
     assert mixed > 0
@@ -137,6 +143,41 @@ def test_the_model_gate_stops_running_a_model_that_does_not_pay_and_tries_again(
         gate.record(use, (5 if good else 1) if use else 1, 0.030 if use else 0.010)
     assert sum(used[10:40]) <= 3 * (30 // 8 + 1)  # backed off: a probe of 3 rounds per 8 at most
     assert all(used[52:])  # noticed it pays within one back-off, then kept it
+
+
+def test_auto_with_ouroboros_sees_its_chain_verified_and_runs_one_draft_model():
+    """Named, Ouroboros is auto's draft-model part: its chain is verified whole as the draft model's,
+    and it observes the target's outputs at its own nodes through auto's view of the step (what its
+    phrase harvest reads); it cannot run beside draft_model (the same chain drafted twice)."""
+    model = tiny_model("llama")
+    drafter = auto(model, perturbed_copy(model, scale=0.1), drafters="anpd,prompt_lookup,ouroboros")
+    assert drafter.names == ["anpd", "prompt_lookup", "ouroboros"] and drafter.whole_sources == {"draft_model"}
+    ouroboros = drafter.parts[2].drafter
+    assert ouroboros.options.length_policy == "confidence" and ouroboros.options.window_size == 0
+    seen = []
+    observe = ouroboros.observe
+
+    def spy(ctx, outcome):
+        chain = list(ouroboros._chain)
+        if chain:
+            seen.append(
+                (chain, outcome.accepted, outcome.target.argmax_of(list(range(len(chain)))), outcome.next_token)
+            )
+        observe(ctx, outcome)
+
+    ouroboros.observe = spy
+    prompt = repetitive_prompt(24, 5, seed=3)
+    stats = Stats()
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 40, frozenset(), None, stats)
+    assert [t for step in steps for t in step] == reference_greedy(model, prompt, 40)
+    assert stats.accepted_by.get("draft_model", 0) > 0 and len(ouroboros.pool) > 0  # (the context's phrases)
+    assert seen and all(None not in after for _, _, after, _ in seen)  # the chain was verified whole
+    whole = [(after, nxt) for chain, accepted, after, nxt in seen if accepted == chain]
+    assert whole and all(after[-1] == nxt for after, nxt in whole)  # its numbering: the bonus follows its last
+    with pytest.raises(InvalidInputError, match="both run the draft model"):
+        SpeculativeConfig("auto", drafters="draft_model,ouroboros")
+    with pytest.raises(InvalidInputError, match="needs a draft model"):
+        auto(model, drafters="ouroboros")
 
 
 def test_auto_options():

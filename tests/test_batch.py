@@ -37,6 +37,8 @@ def make(method, model, draft, heads, ref, row):
     """A fresh drafter of ``method`` for one row (rows keep their own per-request state)."""
     if method == "random_tree":
         return RandomTreeDrafter(ref, VOCAB, seed=row)
+    if method == "auto_ouroboros":  # auto with Ouroboros as its draft-model part
+        return build_drafter("auto", draft, VOCAB, target=model, drafters="anpd,prompt_lookup,ouroboros")
     params = {
         "anpd": {"tree": True, "adaptive": True},
         "lookahead": {"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "pool_from_prompt": True},
@@ -74,7 +76,7 @@ def record_batched_forwards(monkeypatch, draft) -> list[bool]:
 
 
 METHODS = ["autoregressive", "prompt_lookup", "anpd", "lookahead", "draft_model", "ouroboros", "medusa", "ctc",
-           "auto", "random_tree"]  # fmt: skip
+           "auto", "auto_ouroboros", "random_tree"]  # fmt: skip
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -4,8 +4,11 @@ Which drafters: the n-gram ones always (ANPD's multi-level table and prompt look
 microseconds), trained heads when some ship for the target or are named (``medusa``, ``ctc``), and
 the draft model when one is loaded (``draft_model``, which ``self:N`` drafts are too). Lookahead is
 left out (its Jacobi window needs the target's output at every node it proposes, which a pruned,
-composed tree does not promise), and so is Ouroboros (its draft model and its phrases are what
-``draft_model`` and the n-gram drafters bring here).
+composed tree does not promise). Ouroboros is there when named (``drafters=...,ouroboros``): the
+draft model's chain as ``draft_model`` drafts it, with pool phrases checked by the draft and hung
+below the chain; its chain nodes count as the draft model's and its phrases as ``phrases``. A
+sampled request then samples by a noise (``samples_by_noise``), so the draft's picks match the
+target's where the two distributions agree.
 
 Each round the cheap drafters propose; the costly ones (the draft model, heads: each runs model
 layers and an output layer as wide as the vocabulary) propose only while the rounds that ran them
@@ -39,14 +42,19 @@ from speculum.errors import InvalidInputError, SpeculumError
 
 __all__ = ["AutoDrafter", "Options"]
 
-CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model")
+CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model", "ouroboros")
+# what ``auto`` composes when ``drafters`` is not given (each where the loaded model has it); Ouroboros
+# only when named, until it is measured better than the draft model in ``auto`` (issue #18)
+DEFAULT_CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model")
+# drafters that run the draft model (one of them at most: they would draft the same chain twice)
+DRAFT_MODEL_PARTS = ("draft_model", "ouroboros")
 # the ones whose drafting costs model forwards (a draft model; heads over the target's hidden state,
 # each with an output layer as wide as the vocabulary), each group behind a gate of its own: a group
 # runs while the rounds that ran it pay more per second than those that did not. Apart, because
 # one can pay where the other does not: at T=1 the Qwen 0.5B draft pays and the 1.5B's Medusa
 # heads beside it do not (their tokens are tried after the draft's sample is rejected, against what
 # is left of p: 7 of 142 accepted tokens, issue #18), while greedy both add
-GATE_GROUPS = {"draft_model": "draft model", "medusa": "heads", "ctc": "heads"}
+GATE_GROUPS = {"draft_model": "draft model", "ouroboros": "draft model", "medusa": "heads", "ctc": "heads"}
 
 
 @dataclass
@@ -69,10 +77,14 @@ class Options:
                 raise InvalidInputError(
                     f"auto: drafters must name some of {', '.join(CANDIDATES)}; got {self.drafters!r}"
                 )
+            if len(set(names) & set(DRAFT_MODEL_PARTS)) > 1:
+                raise InvalidInputError(
+                    f"auto: name one of {' and '.join(DRAFT_MODEL_PARTS)}: both run the draft model"
+                )
 
     def names(self) -> list[str]:
         if self.drafters is None:
-            return list(CANDIDATES)
+            return list(DEFAULT_CANDIDATES)
         if not isinstance(self.drafters, str):
             raise InvalidInputError(f"auto: drafters must be a comma-separated string, got {self.drafters!r}")
         return [n.strip() for n in self.drafters.split(",") if n.strip()]
@@ -94,6 +106,17 @@ def _sub_config(name: str, depth: int, draft_depth: int):
             "num_speculative_tokens": draft_depth,
             "length_policy": "confidence",
             "confidence_threshold": 0.8,
+        },
+        # the same chain, its draft forwards also checking a pool phrase (the CPU setting's cheap
+        # phrase drafting: no Jacobi window, the context's n-grams in the pool), and K pool
+        # phrases below it
+        "ouroboros": {
+            "num_speculative_tokens": draft_depth,
+            "length_policy": "confidence",
+            "confidence_threshold": 0.8,
+            "window_size": 0,
+            "draft_guesses": 1,
+            "context_phrases": True,
         },
     }[name]
     return SpeculativeConfig(name, controller=False, **params)
@@ -213,7 +236,7 @@ class AutoDrafter(Drafter):
         self.parts: list[_Part] = []
         skipped = []
         for name in options.names():
-            if name == "draft_model" and resources.draft_model is None:
+            if name in DRAFT_MODEL_PARTS and resources.draft_model is None:
                 if explicit:
                     raise InvalidInputError(f"auto: {name} needs a draft model: load(..., draft=...)")
                 continue
@@ -232,10 +255,13 @@ class AutoDrafter(Drafter):
             raise InvalidInputError("auto: no drafter is available for this model")
         self.skipped = skipped
         self.wants_hidden_states = any(p.drafter.wants_hidden_states for p in self.parts)
+        # a sampled request samples by a noise where a part drafts by it (Ouroboros)
+        self.samples_by_noise = any(p.drafter.samples_by_noise for p in self.parts)
         # the draft model's chain is verified as its confidence stop drafted it: pruning it gave back
         # tokens it had already paid for (Qwen pair, issue #18: auto 1.41x against draft_model's 1.57x
-        # on HumanEval, 222 nodes pruned); n-gram branches and head trees are still pruned
-        self.whole_sources = frozenset({"draft_model"}) & set(self.names)
+        # on HumanEval, 222 nodes pruned); n-gram branches, phrases and head trees are still pruned
+        has_draft_model = bool(set(DRAFT_MODEL_PARTS) & set(self.names))
+        self.whole_sources = frozenset({"draft_model"}) if has_draft_model else frozenset()
         # the model gates, one per group and batch size (a draft model that pays alone may not
         # beside 7 other rows), shared by every drafter of this configuration: what one request
         # learned, the next one starts from, and the rows of a batch decide together
@@ -350,7 +376,7 @@ class AutoDrafter(Drafter):
         3-4 tokens deep (issue #18: auto's draft acceptance 16-21% at T=1 on the Qwen pair,
         draft_model's 79-82%). Greedy, the chain then owns the nodes other drafters share with it,
         so it stays whole (``whole_sources``)."""
-        return sorted(self.parts, key=lambda part: part.name != "draft_model")
+        return sorted(self.parts, key=lambda part: part.name not in DRAFT_MODEL_PARTS)
 
     def _merged(self) -> Draft | None:
         """One draft of every part's (see the module docstring)."""
@@ -378,7 +404,9 @@ class AutoDrafter(Drafter):
                     parents.append(above)
                     probs.append(q)
                     scores.append(draft.scores[j] if draft.scores is not None else None)
-                    sources.append(part.name)
+                    # Ouroboros' nodes keep its labels: its chain is the draft model's, its phrases apart
+                    own_labels = part.name == "ouroboros" and draft.sources is not None
+                    sources.append(draft.sources[j] if own_labels else part.name)
                     first.setdefault((above, token), node)
                 part.nodes.append(node)
         if not tokens:
