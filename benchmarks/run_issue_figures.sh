@@ -235,11 +235,16 @@ speculum tune --method ouroboros --model qwen2.5-coder-1.5b --draft qwen2.5-code
   --out benchmarks/results/ouroboros-qwen-tuned-t1.json
 speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-128-v6 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+# tenth pass: Ouroboros' T=1 setting the default for sampled requests; auto with Ouroboros as its draft-model part
+speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-128-v7 \
+  --methods "autoregressive,hf_assisted,ouroboros,auto"
+speculum bench $Q --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-64-auto-ouroboros \
+  --methods "autoregressive,hf_assisted,ouroboros,auto,benchmarks/results/auto-with-ouroboros.json"
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
     qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5 gemma-fp32-t1-v6 qwen-t1-64-v3 \
     gemma-fp32-t1-v7 gemma-fp32-greedy-v7 gemma-fp32-t1-v8 qwen-t1-64-v4 gemma-bf16-greedy-v9 gemma-bf16-t1-v10 \
     gemma-bf16-greedy-v10 gemma-fp32-greedy-v10 gemma-bf16-greedy-v11 qwen-greedy-64-v6 qwen-greedy-128-v7 \
-    qwen-t1-128-v5 qwen-t1-128-v6; do
+    qwen-t1-128-v5 qwen-t1-128-v6 qwen-t1-128-v7 qwen-t1-64-auto-ouroboros; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
 
