@@ -138,7 +138,7 @@ class Speculum:
         except BaseException:
             if not built:
                 del self._drafters[own]
-                if not any(k in (key, (key, "sampled")) for k in self._drafters):
+                if key not in self._drafters and (key, "sampled") not in self._drafters:
                     del self._shared_uses[key]
             raise
         return built[:rows]

@@ -391,6 +391,9 @@ class AutoDrafter(Drafter):
             draft = part.draft
             if draft is None:
                 continue
+            # a part that says which of its sources to verify whole (Ouroboros: its chain, labelled
+            # the draft model's; its phrases apart) keeps its own labels; the others get their name
+            labels = draft.sources if part.drafter.whole_sources and draft.sources is not None else None
             for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
                 above = -1 if parent < 0 else part.nodes[parent]
                 q = draft.q(j)
@@ -404,9 +407,7 @@ class AutoDrafter(Drafter):
                     parents.append(above)
                     probs.append(q)
                     scores.append(draft.scores[j] if draft.scores is not None else None)
-                    # Ouroboros' nodes keep its labels: its chain is the draft model's, its phrases apart
-                    own_labels = part.name == "ouroboros" and draft.sources is not None
-                    sources.append(draft.sources[j] if own_labels else part.name)
+                    sources.append(labels[j] if labels is not None else part.name)
                     first.setdefault((above, token), node)
                 part.nodes.append(node)
         if not tokens:
