@@ -96,15 +96,17 @@ def test_sampled_requests_get_the_devices_sampled_setting_and_share_the_pools(sp
 
 
 def test_auto_with_ouroboros_samples_by_a_noise(spec):
-    """auto with Ouroboros as its draft-model part: a seeded text is plain sampling's, and a request
-    without a seed samples by a noise of fresh entropy too (Ouroboros' draft picks by it)."""
+    """auto with Ouroboros as its draft-model part (its default): a seeded text is plain sampling's, and
+    a request without a seed samples by a noise of fresh entropy too (Ouroboros' draft picks by it)."""
     config = speculum.SpeculativeConfig("auto", drafters="anpd,prompt_lookup,ouroboros")
     plain = spec.generate(PROMPT, "autoregressive", max_new_tokens=16, temperature=1.0, seed=5)
     assert spec.generate(PROMPT, config, max_new_tokens=16, temperature=1.0, seed=5).token_ids == plain.token_ids
     ids = spec.encode_prompt(PROMPT)
     assert spec.request(ids, config, spec.drafter_for(config, sampled=True), temperature=1.0).noise is not None
-    default = speculum.SpeculativeConfig("auto")  # (its draft model samples by speculative sampling's rule)
-    assert spec.request(ids, default, spec.drafter_for(default, sampled=True), temperature=1.0).noise is None
+    default = speculum.SpeculativeConfig("auto")  # (Ouroboros is its draft-model part)
+    assert spec.request(ids, default, spec.drafter_for(default, sampled=True), temperature=1.0).noise is not None
+    chain = speculum.SpeculativeConfig("auto", drafters="anpd,draft_model")  # speculative sampling's rule
+    assert spec.request(ids, chain, spec.drafter_for(chain, sampled=True), temperature=1.0).noise is None
 
 
 def test_stream_concatenates_to_text(spec):

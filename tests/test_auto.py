@@ -26,7 +26,7 @@ def auto(model, draft=None, **params):
 def test_auto_takes_what_the_model_has():
     model = tiny_model("llama")
     assert auto(model).names == ["anpd", "prompt_lookup"]  # no heads ship for a random model, no draft
-    assert auto(model, perturbed_copy(model)).names == ["anpd", "prompt_lookup", "draft_model"]
+    assert auto(model, perturbed_copy(model)).names == ["anpd", "prompt_lookup", "ouroboros"]
     assert auto(model, perturbed_copy(model)).whole_sources == {"draft_model"}  # its chain verified as drafted
     assert auto(model).whole_sources == frozenset()
     assert auto(model, perturbed_copy(model), drafters="draft_model,anpd").names == ["draft_model", "anpd"]
@@ -181,7 +181,7 @@ def test_auto_with_ouroboros_sees_its_chain_verified_and_runs_one_draft_model():
 
 
 def test_auto_options():
-    assert Options().names() == ["anpd", "prompt_lookup", "medusa", "ctc", "draft_model"]
+    assert Options().names() == ["anpd", "prompt_lookup", "medusa", "ctc", "ouroboros"]
     with pytest.raises(InvalidInputError):
         Options(num_speculative_tokens=0)
     with pytest.raises(InvalidInputError):

@@ -765,6 +765,20 @@ def test_pools_are_per_request_unless_shared(share):
             assert response.status_code == 400 and "--share-pools" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_auto_keeps_its_ouroboros_pool_per_request_unless_shared(share):
+    """``auto``, the server's default, runs the draft model as Ouroboros: without share_pools its phrase
+    pool holds one request's text only, as the method's alone does; with it the pool serves later requests."""
+    body = {"prompt": words(repetitive_prompt(12, 3, seed=7)), "max_tokens": 24}
+    with app_client("auto", share_pools=share) as (client, spec):
+        speculation_of(client, body)
+        (drafter,) = [d for d in spec.built_drafters() if d.__class__.__name__ == "AutoDrafter"]
+        (part,) = [p.drafter for p in drafter.parts if p.name == "ouroboros"]
+        assert part.options.reuse_history == share
+        pools = [value for key, value in spec._shared.items() if "phrase_pool" in str(key)]
+        assert (len(pools) == 1 and len(pools[0]) > 0) if share else not pools
+
+
 def test_keeping_pools_needs_share_pools():
     spec = build_spec()
     for params in ({"persist": True}, {"pool_path": "anpd.pool"}):
