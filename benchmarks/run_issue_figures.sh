@@ -240,11 +240,24 @@ speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/q
   --methods "autoregressive,hf_assisted,ouroboros,auto"
 speculum bench $Q --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-64-auto-ouroboros \
   --methods "autoregressive,hf_assisted,ouroboros,auto,benchmarks/results/auto-with-ouroboros.json"
+# eleventh pass: auto's parts chosen on the tuning prompts (/tmp/mt101-105.jsonl as in the ninth pass, and MBPP 1-5),
+# greedy and T=1 (auto there was still draft_model + heads, now auto-draft-model-heads.json); MBPP 1-2 of the greedy
+# run were run again alone (a test run had shared the cores)
+TUNE="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp --limit 5 --max-new-tokens 64"
+TUNE_METHODS="autoregressive,ouroboros,benchmarks/results/auto-draft-model-heads.json,benchmarks/results/auto-with-ouroboros.json,benchmarks/results/auto-medusa-ouroboros.json"
+speculum bench $TUNE --out $OUT/i18/tuning-greedy-64 --methods "$TUNE_METHODS"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mbpp --limit 2 --max-new-tokens 64 \
+  --out $OUT/i18/tuning-greedy-64-mbpp12 --methods "$TUNE_METHODS"
+speculum bench $TUNE --temperature 1 --seed 0 --out $OUT/i18/tuning-t1-64 --methods "$TUNE_METHODS"
+# ... then the report sets at 128 tokens with auto's new default parts, T=1 and greedy
+speculum bench $Q --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-128-v8 \
+  --methods "autoregressive,hf_assisted,ouroboros,auto"
+speculum bench $Q --max-new-tokens 128 --out $OUT/i18/qwen-greedy-128-v8 --methods "autoregressive,hf_assisted,ouroboros,auto"
 for run in gemma-fp32-v2 qwen-bf16-v2 qwen-bf16-v3 gemma-fp32-t1 gemma-bf16 gemma-fp32-t1-v4 gemma-fp32-v4 qwen-bf16-v4 \
     qwen-t1-64-v2 gemma-fp32-v5 qwen-greedy-v5 gemma-fp32-oldgate gemma-fp32-t1-v5 gemma-fp32-t1-v6 qwen-t1-64-v3 \
     gemma-fp32-t1-v7 gemma-fp32-greedy-v7 gemma-fp32-t1-v8 qwen-t1-64-v4 gemma-bf16-greedy-v9 gemma-bf16-t1-v10 \
     gemma-bf16-greedy-v10 gemma-fp32-greedy-v10 gemma-bf16-greedy-v11 qwen-greedy-64-v6 qwen-greedy-128-v7 \
-    qwen-t1-128-v5 qwen-t1-128-v6 qwen-t1-128-v7 qwen-t1-64-auto-ouroboros; do
+    qwen-t1-128-v5 qwen-t1-128-v6 qwen-t1-128-v7 qwen-t1-64-auto-ouroboros qwen-t1-128-v8 qwen-greedy-128-v8; do
   python benchmarks/controller_bars.py $OUT/i18/$run/summary.json
 done
 
