@@ -163,15 +163,6 @@ def test_rows_of_a_batch_draft_again_when_drafts_become_good():
     assert first <= 8 * 32 and all(again[first + 1 :])
 
 
-def test_a_gate_only_row_controller_decides_only_whether_a_batch_drafts():
-    shared = Controller(BATCHED)
-    rows = [shared.for_row(gate_only=True) for _ in range(8)]
-    drafted, _ = run_batch_steps(8, 100, lambda step: 0, BATCHED, controllers=rows)
-    assert drafted[0] and sum(drafted[-50:]) <= 2
-    alone = shared.for_row(gate_only=True)
-    assert all(run_rounds(alone, 50, accepted_of=lambda i: 0))  # alone: never a plain step of its own
-
-
 def test_calibration_learns_what_the_target_accepts():
     cal = Calibration()
     assert cal.estimate(0.95, 1) > 0.8  # before any evidence: the drafter's own belief
@@ -570,10 +561,8 @@ def test_on_by_default_but_off_for_the_published_settings():
     assert not SpeculativeConfig("anpd", controller=False).controlled()
     assert not SpeculativeConfig("autoregressive", controller=True).controlled()
     assert SpeculativeConfig("auto").controlled()
-    assert not SpeculativeConfig("draft_model").controlled()  # measured slower with it (BENCHMARKS.md)
-    assert (
-        SpeculativeConfig("ouroboros").controlled() and SpeculativeConfig("draft_model", controller=True).controlled()
-    )
+    assert SpeculativeConfig("draft_model").controlled() and SpeculativeConfig("ouroboros").controlled()
+    assert not SpeculativeConfig("draft_model", preset="paper").controlled()
 
 
 def test_a_seed_gives_the_same_sampled_text_again():

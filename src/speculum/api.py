@@ -268,8 +268,6 @@ class Speculum:
         if config.controlled():
             controller = self.controller_for(config, not sampling.greedy)
             controller = controller.for_row() if own_controller else controller
-        elif config.gated_in_batches():  # (alone, it leaves the request as it is)
-            controller = self.controller_for(config, not sampling.greedy).for_row(gate_only=True)
         generator = self._generator(sampling, seed)
         # a seed gives the same text again, whatever is drafted: sampled by noise fixed per position
         # (also without a seed where the drafter's drafts are accepted more often that way)

@@ -316,20 +316,16 @@ class Controller:
         # batches: whether a configuration's rows draft at all, one verdict per batch size (shared
         # by the rows' controllers, see for_row)
         self.batch_verdicts: dict[int, BatchVerdict] = {}
-        # only decide whether rows of a batch draft; verify what is drafted, and run alone as if there
-        # were no controller (the methods measured better without one, e.g. draft_model)
-        self.gate_only = False
 
     # ------------------------------------------------------------------ per request
 
-    def for_row(self, gate_only: bool = False) -> Controller:
+    def for_row(self) -> Controller:
         """A controller for one row of a batch: its own back-off and goodput (per request), the
         calibration, cost model and batch verdicts shared with this one (what is learned per
-        configuration). ``gate_only``: see the attribute."""
+        configuration)."""
         row = copy.copy(self)
         row.asked = copy.copy(self.asked)
         row.backoff = copy.deepcopy(self.backoff)
-        row.gate_only = gate_only
         return row
 
     def verdict(self, rows: int) -> BatchVerdict:
@@ -364,8 +360,6 @@ class Controller:
         a batch of that many rows, where the configuration's batch verdict has a say too."""
         if rows > 1:
             return self.verdict(rows).asks(step)
-        if self.gate_only:
-            return True
         if self._plain_left > 0:
             self._plain_left -= 1
             self.probing = self._plain_left == 0  # the round after a back-off is a probe
@@ -540,8 +534,6 @@ class Controller:
         else:
             self.cost.observe(len(tree), forward_seconds)
             plain_rate = self.plain_rate()
-        if self.gate_only:
-            return  # what a row does alone, and which nodes are verified, are not this controller's
         # the exploring budget fills with the time spent; it never holds more than a few plain steps,
         # so a long stretch without anything to explore does not become a burst of whole trees
         self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / plain_rate)

@@ -166,7 +166,7 @@ class Row:
         self.catch_up = min(catch_up, draft_seconds) if self.asked else 0.0
         judged = draft_seconds - self.catch_up  # what this round's drafting costs the round
         keep = None
-        if controller is not None and not controller.gate_only and draft is not None and len(draft):
+        if controller is not None and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(
                 draft, ctx.max_depth, drafter.prunable, drafter.whole_sources,
@@ -331,7 +331,7 @@ class Batch:
         ctx = DraftContext(
             joining.tokens, len(joining.tokens), request.sampling, request.generator, 0, request.eos_token_ids,
             self.runner.output_device, prefill_hidden, noise=request.noise,
-            wants_scores=request.controller is not None and not request.controller.gate_only,
+            wants_scores=request.controller is not None,
         )  # fmt: skip
         t = time.perf_counter()
         request.drafter.start(ctx)

@@ -42,12 +42,10 @@ def _frozen(value: Any) -> Any:
 # >= 0.99x plain on every report set (Gemma 3 270M), where Medusa and CTC ran at 0.66-0.92x without
 # it. preset="paper" turns it off (the published method).
 DEFAULT_CONTROLLER = True
-# ... except for draft_model, slower with it in all three runs on the Qwen pair (bfloat16, 64 tokens;
-# e.g. 1.56/1.45x -> 1.47/1.38x on HumanEval/GSM8K): its confidence stop already decides what is
-# worth verifying, and without the controller it stayed >= 1.06x plain on every set. Ouroboros keeps
-# it: over the same runs it lifted MT-bench/WMT16 from 0.95/0.93x to 1.02/1.05x on average, for
-# about 6% of its HumanEval gain.
-UNCONTROLLED_BY_DEFAULT = frozenset({"draft_model"})
+# draft_model included since issue #18's eleventh pass: it had run without the controller (slower
+# with an earlier controller, bfloat16, 64 tokens), but on the tuning prompts (MT-bench 101-105,
+# MBPP 1-5; float32, 64 tokens) the controller now gives it 1.54x against 1.48x greedy and 1.45x
+# against 1.36x at T=1, and without it the method fell to 0.93x plain on WMT16 (BENCHMARKS.md).
 
 # The method of generate(), `speculum generate` and `speculum serve` when none is named.
 DEFAULT_METHOD = "auto"
@@ -168,18 +166,9 @@ class SpeculativeConfig:
         if self.method == "auto":
             default = True
         else:  # the published settings are the published method: no controller unless asked for
-            measured_better = self.method not in UNCONTROLLED_BY_DEFAULT
-            default = DEFAULT_CONTROLLER and measured_better and self.preset != "paper"
+            default = DEFAULT_CONTROLLER and self.preset != "paper"
         wanted = default if self.controller is None else self.controller
         return wanted and self.method != "autoregressive"
-
-    def gated_in_batches(self) -> bool:
-        """Whether rows of this uncontrolled config get, in a batch, a controller that only decides
-        whether they draft (``Controller.gate_only``): a method measured better without the
-        controller alone (``UNCONTROLLED_BY_DEFAULT``) still must not cost a batch more than it
-        gives (issue #19: a 0.5B draft model's chains beside a batched 1.5B step ran at 0.57-0.86x
-        batched plain decoding). Not with ``controller=False`` or the paper preset."""
-        return self.method in UNCONTROLLED_BY_DEFAULT and self.controller is None and self.preset != "paper"
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
