@@ -389,3 +389,16 @@ done
 for S in qwen2.5-1.5b qwen2.5-7b; do
   python benchmarks/batch_cost.py shape:$S --device cuda --dtype bfloat16 --no-prepack --batches 1,2,4,8,16,32 --ks 1,2,4,8,16 --reps 10
 done
+# twelfth pass: draft_model with and without the controller on the tuning prompts; the transformers rows' repacking
+# found slowing the row after them (benchmarks/results/issue18-qwen-greedy-128-v9-hf-order.md), then checked mended
+TUNE="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp --limit 5 --max-new-tokens 64"
+speculum bench $TUNE --out $OUT/i18/dm-tuning-greedy-64 --methods "autoregressive,draft_model:controller=false,draft_model:controller=true"
+speculum bench $TUNE --temperature 1 --seed 0 --out $OUT/i18/dm-tuning-t1-64 --methods "autoregressive,draft_model:controller=false,draft_model:controller=true"
+SPECULUM_DTYPE_MEASURE=refresh python benchmarks/dtype_choice.py --model qwen2.5-coder-1.5b --methods autoregressive --limit 2 \
+  --max-new-tokens 64 --threads 2 --out benchmarks/results/issue18-dtype-choice-qwen.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench --limit 4 \
+  --max-new-tokens 64 --out $OUT/i18/hf-order-check --methods "autoregressive,hf_assisted,draft_model,draft_model:controller=false"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 5 --max-new-tokens 128 --out $OUT/i18/dm-wmt16-greedy-128 \
+  --methods "autoregressive,hf_assisted,draft_model,draft_model:controller=false"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/dm-mtbench-t1-128 \
+  --methods "autoregressive,hf_assisted,draft_model"

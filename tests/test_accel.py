@@ -32,9 +32,12 @@ def test_prepack_same_logits_and_exact_unpack():
 def test_unpacked_context_restores_packing():
     model = tiny_model("llama")
     accel.prepack(model)
+    packed = [m for m in model.modules() if isinstance(m, accel.PackedLinear)]
     with accel.unpacked(model, None):
         assert not accel.is_packed(model)
     assert accel.is_packed(model)
+    # the same packed layers come back, not a new reorder of the weights (new memory decoded slower)
+    assert [m for m in model.modules() if isinstance(m, accel.PackedLinear)] == packed
 
 
 def test_not_applied_to_bfloat16():

@@ -61,12 +61,13 @@ def supported(model: nn.Module) -> bool:
 
 
 def _swap(model: nn.Module, convert) -> int:
-    targets = [(name, module) for name, module in model.named_modules() if convert(module) is not None]
-    for name, module in targets:
+    # each module converted once (a conversion reorders or copies the weights: not a test to repeat)
+    swapped = [(name, new) for name, module in list(model.named_modules()) if (new := convert(module)) is not None]
+    for name, new in swapped:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, convert(module))
-    return len(targets)
+        setattr(parent, child, new)
+    return len(swapped)
 
 
 def prepack(model: nn.Module) -> int:
@@ -89,15 +90,27 @@ def is_packed(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def unpacked(*models: nn.Module | None) -> Iterator[None]:
-    """Run a block on the stock ``nn.Linear`` layers (e.g. to time transformers' own generate)."""
-    swapped = [m for m in models if m is not None and is_packed(m)]
-    for model in swapped:
-        unpack(model)
+    """Run a block on the stock ``nn.Linear`` layers (e.g. to time transformers' own generate).
+
+    The packed layers are put back as they were, not packed again: a fresh reorder lands the weights
+    in new memory, and on the machines measured here decoding from it ran 5-20% slower for a while
+    (issue #18, twelfth pass: in a benchmark, the method timed right after each transformers row)."""
+    originals: list[tuple[nn.Module, str, PackedLinear]] = []
+    with torch.no_grad():
+        for model in models:
+            if model is None:
+                continue
+            for name, module in list(model.named_modules()):
+                if isinstance(module, PackedLinear):
+                    parent_name, _, child = name.rpartition(".")
+                    parent = model.get_submodule(parent_name) if parent_name else model
+                    originals.append((parent, child, module))
+                    setattr(parent, child, module.to_linear())
     try:
         yield
     finally:
-        for model in swapped:
-            prepack(model)
+        for parent, child, module in originals:
+            setattr(parent, child, module)
 
 
 def output_size(model: nn.Module) -> int:
