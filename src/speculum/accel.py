@@ -64,9 +64,7 @@ def _swap(model: nn.Module, convert) -> int:
     # each module converted once (a conversion reorders or copies the weights: not a test to repeat)
     swapped = [(name, new) for name, module in list(model.named_modules()) if (new := convert(module)) is not None]
     for name, new in swapped:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
+        model.set_submodule(name, new)
     return len(swapped)
 
 
@@ -96,21 +94,17 @@ def unpacked(*models: nn.Module | None) -> Iterator[None]:
     in new memory, and on the machines measured here decoding from it ran 5-20% slower for a while
     (issue #18, twelfth pass: in a benchmark, the method timed right after each transformers row)."""
     originals: list[tuple[nn.Module, str, PackedLinear]] = []
+    for model in models:
+        if model is not None:
+            originals += [(model, name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear)]
     with torch.no_grad():
-        for model in models:
-            if model is None:
-                continue
-            for name, module in list(model.named_modules()):
-                if isinstance(module, PackedLinear):
-                    parent_name, _, child = name.rpartition(".")
-                    parent = model.get_submodule(parent_name) if parent_name else model
-                    originals.append((parent, child, module))
-                    setattr(parent, child, module.to_linear())
+        for model, name, packed in originals:
+            model.set_submodule(name, packed.to_linear())
     try:
         yield
     finally:
-        for parent, child, module in originals:
-            setattr(parent, child, module)
+        for model, name, packed in originals:
+            model.set_submodule(name, packed)
 
 
 def output_size(model: nn.Module) -> int:

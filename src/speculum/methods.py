@@ -42,7 +42,7 @@ def _frozen(value: Any) -> Any:
 # >= 0.99x plain on every report set (Gemma 3 270M), where Medusa and CTC ran at 0.66-0.92x without
 # it. preset="paper" turns it off (the published method).
 DEFAULT_CONTROLLER = True
-# draft_model included since issue #18's eleventh pass: it had run without the controller (slower
+# draft_model included since issue #18's twelfth pass: it had run without the controller (slower
 # with an earlier controller, bfloat16, 64 tokens), but on the tuning prompts (MT-bench 101-105,
 # MBPP 1-5; float32, 64 tokens) the controller now gives it 1.54x against 1.48x greedy and 1.45x
 # against 1.36x at T=1, and without it the method fell to 0.93x plain on WMT16 (BENCHMARKS.md).
