@@ -402,3 +402,11 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
   --methods "autoregressive,hf_assisted,draft_model,draft_model:controller=false"
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/dm-mtbench-t1-128 \
   --methods "autoregressive,hf_assisted,draft_model"
+# thirteenth pass: dtype="auto" on the Qwen pair with the speculative methods (it picks bfloat16 on this host), then the
+# pair's report sets at 128 tokens in the dtype it picks, with the mended benchmark, greedy and T=1
+SPECULUM_DTYPE_MEASURE=refresh python benchmarks/dtype_choice.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --methods autoregressive,auto --limit 2 --max-new-tokens 64 --threads 2 --out benchmarks/results/issue18-dtype-choice-qwen-pair.json
+Q13="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128"
+speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128/summary.json; python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128/summary.json
