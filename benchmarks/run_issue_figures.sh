@@ -410,3 +410,4 @@ Q13="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset
 speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
 speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
 python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128/summary.json; python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128/summary.json
+python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes bfloat16,float32 --prefix 300 --reps 7 --threads 2
