@@ -40,6 +40,17 @@ def test_unpacked_context_restores_packing():
     assert [m for m in model.modules() if isinstance(m, accel.PackedLinear)] == packed
 
 
+def test_unpacked_keeps_a_layer_two_models_share_shared():
+    target = tiny_model("llama")
+    accel.prepack(target)
+    draft = torch.nn.Module()
+    draft.head = target.lm_head  # as a self-draft holds the target's own LM head, under another parent
+    with accel.unpacked(target, draft):
+        assert isinstance(draft.head, torch.nn.Linear)
+        assert draft.head is target.lm_head  # one dense copy, still shared
+    assert draft.head is target.lm_head and isinstance(draft.head, accel.PackedLinear)
+
+
 def test_not_applied_to_bfloat16():
     assert accel.prepack(tiny_model("llama", dtype=torch.bfloat16)) == 0
 

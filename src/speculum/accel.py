@@ -97,9 +97,12 @@ def unpacked(*models: nn.Module | None) -> Iterator[None]:
     for model in models:
         if model is not None:
             originals += [(model, name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear)]
+    dense: dict[int, nn.Linear] = {}  # one copy per packed layer: a layer two models share stays shared
     with torch.no_grad():
         for model, name, packed in originals:
-            model.set_submodule(name, packed.to_linear())
+            if id(packed) not in dense:
+                dense[id(packed)] = packed.to_linear()
+            model.set_submodule(name, dense[id(packed)])
     try:
         yield
     finally:
