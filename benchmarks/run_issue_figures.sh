@@ -411,3 +411,11 @@ speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128 --methods "autoregressiv
 speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
 python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128/summary.json; python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128/summary.json
 python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes bfloat16,float32 --prefix 300 --reps 7 --threads 2
+# fourteenth pass: bfloat16 prepacked (speculum.accel); stock against prepacked layers in interleaved pairs, the dtype
+# chooser again, Gemma end to end in both dtypes, the Qwen pair's report sets greedy in prepacked bfloat16, and
+# speculum's plain decoding against transformers' own generate
+for M in qwen2.5-coder-1.5b qwen2.5-coder-0.5b gemma-3-270m; do python benchmarks/prepack_ab.py $M --dtype bfloat16 --threads 2; done
+SPECULUM_DTYPE_MEASURE=refresh python benchmarks/dtype_choice.py --model gemma-3-270m --methods autoregressive,auto,anpd --limit 5 \
+  --threads 2 --out benchmarks/results/issue18-dtype-choice-gemma-14th.json
+speculum bench $Q13 --out $OUT/i18/qwen-bf16p-greedy-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16p-greedy-128/summary.json

@@ -1,9 +1,11 @@
-"""Prepacked float32 linears: same function, exact round trip, and every method still lossless on them."""
+"""Prepacked linears (float32; bfloat16 where the CPU computes it natively): same function, exact round
+trip, and every method still lossless on them."""
 
 import pytest
 import torch
 
 from speculum import accel
+from speculum.models import dtypes
 
 from helpers import build_drafter, generate_ids
 from tiny_models import VOCAB, perturbed_copy, repetitive_prompt, tiny_model
@@ -51,18 +53,45 @@ def test_unpacked_keeps_a_layer_two_models_share_shared():
     assert draft.head is target.lm_head and isinstance(draft.head, accel.PackedLinear)
 
 
-def test_not_applied_to_bfloat16():
+native_bf16 = pytest.mark.skipif(not dtypes.cpu_has_fast_bf16(), reason="this CPU has no native bfloat16")
+
+
+def test_bfloat16_left_stock_where_the_cpu_emulates_it(monkeypatch):
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
     assert accel.prepack(tiny_model("llama", dtype=torch.bfloat16)) == 0
+    assert accel.prepack(tiny_model("llama")) > 0  # float32 still is
 
 
+@native_bf16
+def test_bfloat16_prepack_gives_the_stock_layers_bits():
+    """oneDNN computes stock bfloat16 linears too (reordering the weight each call): prepacked, the
+    logits are the same bits, so texts do not change with prepacking."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([repetitive_prompt()])
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert accel.prepack(model) == 2 * 7 + 1
+        assert accel.is_packed(model)
+        assert torch.equal(model(ids).logits, ref)
+        with accel.unpacked(model):
+            assert torch.equal(model(ids).logits, ref)
+    accel.unpack(model)
+    for key, value in model.state_dict().items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, before[key]), key
+
+
+@native_bf16
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_methods_lossless_on_packed_model(arch):
-    model = tiny_model(arch)
+def test_every_method_gives_the_same_text_on_a_packed_bfloat16_model(arch):
+    """Prepacking changes no bit of a bfloat16 model's outputs, so no method's text changes with it
+    (whether a bfloat16 method matches plain decoding is another question: near-ties, see float32)."""
+    model = tiny_model(arch, dtype=torch.bfloat16)
     draft = perturbed_copy(model, 0.4)
+    prompt = repetitive_prompt(30, 7, 1)
+    methods = ["autoregressive", "prompt_lookup", "anpd", "draft_model"]
+    stock = {m: generate_ids(model, prompt, build_drafter(m, draft, VOCAB), 40)[0] for m in methods}
     accel.prepack(model)
     accel.prepack(draft)
-    prompt = repetitive_prompt(30, 7, 1)
-    plain, _ = generate_ids(model, prompt, build_drafter("autoregressive"), 40)
-    for method in ["prompt_lookup", "anpd", "draft_model"]:
-        out, stats = generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)
-        assert out == plain, method
+    for method in methods:
+        assert generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)[0] == stock[method], method

@@ -453,12 +453,13 @@ def load(
     with its final norm and LM head (no extra weights). ``draft_device`` puts the draft elsewhere.
     ``device_map`` (accelerate's: ``"auto"`` or a dict of module -> device, with ``offload_folder``
     for ``"disk"``) splits a big target over several devices; the draft goes on ``draft_device``.
-    ``prepack`` ("auto": where supported, i.e. float32 on CPU) reorders linear weights once for
-    oneDNN, which makes verifying a few tokens cost about one decode step (see ``speculum.accel``).
+    ``prepack`` ("auto": where supported, i.e. float32 on CPU, and bfloat16 on a CPU that computes it
+    natively) reorders linear weights once for oneDNN, which makes verifying a few tokens cost about
+    one decode step, and a bfloat16 step ~30% cheaper (see ``speculum.accel``).
     ``config``: a method config (or the path of a config file from ``speculum tune --out``) that
     ``generate()`` then uses when no method is named; ``model`` and ``draft`` default to the ones
     the file names.
-    ``dtype="auto"`` on a CPU times prepacked float32 against bfloat16 on the target's shapes (once per
+    ``dtype="auto"`` on a CPU times prepacked float32 against (prepacked) bfloat16 on the target's shapes (once per
     machine and model, cached; float32 where the CPU has no native bfloat16) and a draft model takes
     the same dtype; ``spec.dtype_choice`` (a ``speculum.models.DtypeChoice``) says what was chosen and why.
     """

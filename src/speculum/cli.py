@@ -92,7 +92,12 @@ def generate(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
     draft_device: Annotated[str | None, typer.Option(help="Put the draft model on another device.")] = None,
     gguf_file: Annotated[str | None, typer.Option(help="GGUF file name inside --model.")] = None,
-    prepack: Annotated[bool, typer.Option(help="oneDNN-prepacked float32 weights on CPU (faster).")] = True,
+    prepack: Annotated[
+        bool,
+        typer.Option(
+            help="oneDNN-prepacked weights on CPU: float32, and bfloat16 where the CPU has it natively (faster)."
+        ),
+    ] = True,
 ) -> None:
     """Generate text with a speculative method; the output equals plain decoding."""
     import speculum
@@ -417,7 +422,7 @@ def train_acceptance_head(
         if device.startswith("cuda") and not torch.cuda.is_available():
             fail(f"--device {device}: no CUDA device here")
         with err.status(f"loading {model} + {draft}"):
-            spec = speculum.load(model, draft, dtype=dtype, prepack=False)
+            spec = speculum.load(model, draft, dtype=dtype)  # prepacked where supported: faster data
         data_settings = acceptance.DataSettings(max_tokens, temperature, 1.0, 0, mixing_ratio, seed)
         train_settings = acceptance.TrainSettings(
             depth, w_rej, epochs, lr, batch_size, 0.1, seed, confidence_input, early
@@ -525,7 +530,7 @@ def _train_draft_heads(kind: str, model: str, out: str, texts: str, data_setting
         if device.startswith("cuda") and not torch.cuda.is_available():
             fail(f"--device {device}: no CUDA device here")
         with err.status(f"loading {model}"):
-            spec = speculum.load(model, dtype=common["dtype"], prepack=False)
+            spec = speculum.load(model, dtype=common["dtype"])  # prepacked where supported: faster data
         draft_heads.run(
             spec,
             sources,
@@ -691,7 +696,12 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")] = "cpu",
     draft_device: Annotated[str | None, typer.Option(help="Put the draft model on another device.")] = None,
     gguf_file: Annotated[str | None, typer.Option(help="GGUF file name inside --model.")] = None,
-    prepack: Annotated[bool, typer.Option(help="oneDNN-prepacked float32 weights on CPU (faster).")] = True,
+    prepack: Annotated[
+        bool,
+        typer.Option(
+            help="oneDNN-prepacked weights on CPU: float32, and bfloat16 where the CPU has it natively (faster)."
+        ),
+    ] = True,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a

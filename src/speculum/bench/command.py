@@ -116,7 +116,7 @@ def bench(
     ] = True,
     threads: Annotated[int | None, typer.Option(min=1, help="torch.set_num_threads.")] = None,
     prepack: Annotated[
-        bool, typer.Option(help="oneDNN-prepacked float32 weights for speculum's rows (transformers' rows run stock).")
+        bool, typer.Option(help="oneDNN-prepacked weights for speculum's rows (transformers' rows run stock).")
     ] = True,
     chat: Annotated[
         bool | None,

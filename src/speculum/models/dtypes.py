@@ -1,17 +1,18 @@
 """Choosing a dtype and checking a device: ``dtype="auto"`` picks what is fast on this machine.
 
 On a CPU, ``"auto"`` is decided by measuring, not by CPU flags alone (:func:`choose_dtype`). Native
-bfloat16 halves the bytes each decode step streams, but whether it beats float32 on prepacked oneDNN
-weights (``speculum.accel``) depends on the model's shapes: on the AVX-512-BF16 CPU measured here
-Gemma 3 270M (small layers, a 262k-row LM head) decodes ~20% faster in prepacked float32, while for
-Qwen2.5-Coder 1.5B the two are within 10% and the winner changes with threads and load. So both
+bfloat16 halves the bytes each decode step streams, but which dtype is faster depends on the model's
+shapes and the CPU: before bfloat16 was prepacked for oneDNN as float32 is (``speculum.accel``), Gemma
+3 270M (small layers, a 262k-row LM head) decoded ~20% faster in prepacked float32 on the
+AVX-512-BF16 CPU measured here and Qwen2.5-Coder 1.5B was a close call; with both prepacked,
+bfloat16 ran Gemma's plain decoding 1.5x faster there (issue #18, fourteenth pass). So both
 candidates are timed on the model's real shapes, built from its config with random weights before
 the model itself loads (the model is then loaded once, in the chosen dtype):
 
 - a stack of k of its decoder layers (k: enough layers that the weights stream from memory as in
   the whole model, at most ~256 MB; a single layer bigger than that is measured as a slice of its
   MLP and heads and scaled up) and its LM head (a slice of at most 64M weights for big vocabularies,
-  scaled by rows), in float32 (prepacked when ``load`` prepacks) and in bfloat16;
+  scaled by rows), in float32 and in bfloat16, each prepacked where ``load`` would prepack it;
 - after 256 cached positions: a one-token decode step and verification forwards of 4 and 8 tokens,
   through the engine's own ``ModelRunner`` (so bfloat16's lazy LM head is priced as the engine runs
   it); the two candidates in interleaved rounds, the fastest of a few repetitions kept;
@@ -147,8 +148,9 @@ def _check_device(device: str) -> str:
 # ------------------------------------------------------------------------------------------------ measured "auto"
 
 # bump when the measurement changes: older decisions are then measured again (2: a bf16 LM head runs
-# eagerly on CPUs with native bf16 kernels, see ModelRunner._lazy_head_pays)
-_CACHE_VERSION = 2
+# eagerly on CPUs with native bf16 kernels, see ModelRunner._lazy_head_pays; 3: bfloat16 is
+# prepacked too where the CPU computes it natively, see speculum.accel)
+_CACHE_VERSION = 3
 _PAST = 256  # cached positions before the timed steps
 _VERIFY = {4: 2, 8: 3}  # verification width -> tokens it is assumed to commit (see _blend)
 _REPS = 3  # timed repetitions per shape (after one warm-up); the fastest is kept (other jobs only add time)
@@ -483,9 +485,11 @@ def _measure_both(text: Any, prepack: bool) -> dict[str, float]:
         half_stack, half_head = copy.deepcopy(stack).to(torch.bfloat16), copy.deepcopy(head).to(torch.bfloat16)
     shape = _Shape(int(text.num_hidden_layers) / layer_scale, vocab / rows, hidden)
     packed = bool(prepack) and accel.prepack(stack) > 0
+    # bfloat16 as ``load`` runs it: prepacked too where the CPU computes it natively
+    half_packed = bool(prepack) and accel.prepack(half_stack) > 0
     candidates = {
         "prepacked float32" if packed else "float32": _Candidate(stack, accel.PackedLinear(head) if packed else head),
-        "bfloat16": _Candidate(half_stack, half_head),
+        "bfloat16": _Candidate(half_stack, accel.PackedLinear(half_head) if half_packed else half_head),
     }
     del head
     try:
