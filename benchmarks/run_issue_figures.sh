@@ -419,3 +419,6 @@ SPECULUM_DTYPE_MEASURE=refresh python benchmarks/dtype_choice.py --model gemma-3
   --threads 2 --out benchmarks/results/issue18-dtype-choice-gemma-14th.json
 speculum bench $Q13 --out $OUT/i18/qwen-bf16p-greedy-128 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
 python benchmarks/controller_bars.py $OUT/i18/qwen-bf16p-greedy-128/summary.json
+speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --dtype bfloat16 --max-new-tokens 128 \
+  --out $OUT/i18/gemma-bf16p-greedy --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-bf16p-greedy/summary.json
