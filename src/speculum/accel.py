@@ -9,8 +9,8 @@ faster too. See BENCHMARKS.md for t(K) with and without it.
 
 bfloat16 layers are prepacked too where the CPU computes bfloat16 natively (AVX-512-BF16, AMX).
 PyTorch's stock bfloat16 linear already runs oneDNN's kernels there, but reorders the weight on
-every call: prepacked, a Qwen2.5-Coder 1.5B layer's MLP runs 2-2.8x faster over 1-8 rows and a
-one-token step of the whole model ~30% faster, with logits bit-identical to the stock layers'
+every call: prepacked, a Qwen2.5-Coder 1.5B layer's MLP runs 2-2.8x faster over 1-8 rows and a step
+of the whole model over 1-8 tokens 25-34% cheaper, with logits bit-identical to the stock layers'
 (issue #18, fourteenth pass). Where bfloat16 is emulated it is left as it is (not measured there).
 
 The swap is reversible (``unpacked``) so a benchmark can time transformers' stock model in the
