@@ -170,7 +170,7 @@ class Speculum:
     @property
     def cost_model(self) -> CostModel:
         """What a verification forward of n tree nodes costs the target on this machine: measured once
-        (a second or two, cached on disk for this model, dtype, device, threads and CPU), then refined
+        (a few seconds, cached on disk for this model, dtype, device, threads and CPU), then refined
         by every forward the controller sees."""
         if self._cost_model is None:
             self._cost_model = measured_cost_model(self.runner)

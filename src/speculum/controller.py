@@ -14,7 +14,10 @@ decoding:
   a probe loses much (a lookahead window verified at T=1 costs 1.5 plain steps and gains nothing),
   the back-off grows past ``max_backoff`` until probing loses at most ``exploration`` of the time.
   Every three verdicts in a row that asking pays halve the next back-off (rounds that keep paying
-  bring it to one; a single lucky probe does not restart the ramp).
+  bring it to one; a single lucky probe does not restart the ramp). What a plain step costs is
+  measured on the plain rounds themselves; a drafter that always pays gets one now and then (after
+  16, 64, then every 256 drafting rounds), so the bar it must clear is never only the cost model's
+  t(1), a measurement of a few forwards.
   Acceptance comes in bursts (a copied phrase, a boilerplate line), so no verdict rests on fewer
   than ``min_evidence`` rounds, and a round where the drafter had nothing to verify and cost next
   to nothing (an n-gram table with no match) counts neither way. Control is on goodput, not on
@@ -283,6 +286,7 @@ class Controller:
         exploration: float = 0.015,
         explore_share: float = 0.02,
         carry_backoff: bool = False,
+        plain_probe_every: int = 256,
     ):
         self.cost = cost
         self.max_backoff = max_backoff
@@ -306,6 +310,14 @@ class Controller:
         # says little; ~7 rounds of memory (goodput_smoothing), no verdict on fewer than min_evidence
         self.asked = Goodput(goodput_smoothing, min_evidence)
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
+        # a drafter that always pays is never backed off, so no plain round would ever be measured and
+        # the goodput it must beat would rest on the cost model's t(1), one measurement of a few
+        # forwards: a plain round is taken after 16 drafting rounds in a row when none was measured
+        # yet, 64 after one, and every ``plain_probe_every`` after more (what one costs: about a
+        # token per 256 rounds at 2x plain)
+        self.plain_probe_every = plain_probe_every
+        self._since_plain = 0  # drafting rounds since the last plain round
+        self._plain_rounds = 0  # plain rounds measured
         self.overhead = 0.0  # seconds per round beyond the forward (verify, commit, bookkeeping), measured
         self.backoff = Backoff(max_backoff, exploration, patient=True)
         self._plain_left = 0
@@ -364,6 +376,8 @@ class Controller:
             self._plain_left -= 1
             self.probing = self._plain_left == 0  # the round after a back-off is a probe
             return False
+        if self._since_plain >= min(self.plain_probe_every, 16 << (2 * min(self._plain_rounds, 4))):
+            return False  # a plain round that measures what plain decoding costs now
         return True
 
     # ------------------------------------------------------------------ what to verify
@@ -543,12 +557,15 @@ class Controller:
                 self._calibrate(tree, path, draft)
             return  # the single-row plain time is measured alone
         if not asked:
+            self._since_plain = 0
+            self._plain_rounds += 1
             self.overhead += self.smoothing * (overhead - self.overhead)
             self.plain_round = round_seconds if self.plain_round is None else (
                 self.plain_round + self.smoothing * (round_seconds - self.plain_round))  # fmt: skip
             return
         if len(tree) == 1 and draft_seconds < self.negligible / plain_rate:
             return  # nothing verified, next to nothing spent: neither evidence for asking nor against it
+        self._since_plain += 1
         if draft is not None and len(tree) > 1:
             self._calibrate(tree, path, draft)
         # after a back-off, fresh evidence of how asking does now

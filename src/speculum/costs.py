@@ -3,9 +3,9 @@
 One model serves the engine's controller, ``speculum tune`` and the studies scripts:
 
 - **Measured** once for the loaded model, dtype, device and thread count (:meth:`CostModel.measure`:
-  a few forwards over trees of 1..64 nodes after a cache of a typical prompt length, a second or
-  two), and cached on disk (:func:`measured_cost_model`) under a key that another CPU, model, dtype,
-  device, thread count or library version never shares.
+  a few forwards over trees of 1..64 nodes, the sizes interleaved, after a cache of a typical
+  prompt length, a few seconds), and cached on disk (:func:`measured_cost_model`) under a key that
+  another CPU, model, dtype, device, thread count or library version never shares.
 - **Refined online** (:meth:`CostModel.observe`): every verification forward the engine runs is a
   free sample. Each sample updates a correction factor for its size bucket (an exponential moving
   average of measured / predicted), so the curve follows a machine that got busier, a cache that
@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger("speculum")
 
 FORMAT = "speculum-costs"
-VERSION = 1
+VERSION = 2  # 2: sizes measured interleaved (curves measured in blocks are measured again)
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
 
 
@@ -131,26 +131,31 @@ class CostModel:
         return self(1)
 
     @classmethod
-    def measure(cls, runner, prefix_ids: list[int], sizes: Sequence[int] = SIZES, reps: int = 3) -> CostModel:
-        """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids`` (one warm-up
-        each). Sizes past 1 are two chains below the root, so the tree mask is paid as in real drafts."""
+    def measure(cls, runner, prefix_ids: list[int], sizes: Sequence[int] = SIZES, reps: int = 5) -> CostModel:
+        """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids``, the sizes
+        interleaved (one forward of each size per repetition, after one warm-up pass). Interleaving
+        matters: a CPU has slow phases of seconds (bfloat16 on AVX-512-bf16 here, or another
+        process), and timing each size in a block of its own put a whole phase on one size (issue
+        #18: t(1) read 132-178 ms on the Qwen 1.5B where plain decoding ran at 129-165, and the
+        controller took drafting at 0.92x plain for a win). Sizes past 1 are two chains below the
+        root, so the tree mask is paid as in real drafts."""
         from speculum.cache import crop
 
         cache = runner.new_cache()
         runner.prefill(cache, prefix_ids[:-1])
         past = len(prefix_ids) - 1
-        points = []
-        for n in sizes:
-            tree = two_branch_tree(prefix_ids, n)
-            times = []
-            for _ in range(reps + 1):
+        trees = {n: two_branch_tree(prefix_ids, n) for n in sizes}
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for rep in range(reps + 1):
+            for n in sizes:
                 start = time.perf_counter()
-                out = runner.forward(cache, tree)
+                out = runner.forward(cache, trees[n])
                 out.logits[0].argmax()  # the verifier reads at least the root's row
-                times.append(time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
                 crop(cache, past)
-            points.append((n, statistics.median(times[1:])))
-        return cls(points)
+                if rep:  # the first pass warms every size up
+                    times[n].append(elapsed)
+        return cls([(n, statistics.median(times[n])) for n in sizes])
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "points": [[n, t] for n, t in self.points]}
@@ -232,7 +237,7 @@ def machine_key(runner) -> str:
 
 def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh: bool = False) -> CostModel:
     """The cost model of ``runner``'s model on this machine: from the disk cache when this exact
-    setting was measured before, else measured now (a second or two) and cached. A cache file that
+    setting was measured before, else measured now (a few seconds) and cached. A cache file that
     cannot be read is measured again, never an error."""
     from speculum.poolfile import write_atomic
 
