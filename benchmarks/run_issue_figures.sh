@@ -422,3 +422,15 @@ python benchmarks/controller_bars.py $OUT/i18/qwen-bf16p-greedy-128/summary.json
 speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --dtype bfloat16 --max-new-tokens 128 \
   --out $OUT/i18/gemma-bf16p-greedy --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
 python benchmarks/controller_bars.py $OUT/i18/gemma-bf16p-greedy/summary.json
+# fifteenth pass: the controller measures a plain step (plain rounds after 16, 64, then every 256 drafting rounds) and
+# times the cost model's sizes interleaved; Gemma greedy and T=1, the Qwen pair at T=1, all in prepacked bfloat16
+speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --dtype bfloat16 --max-new-tokens 128 \
+  --out $OUT/i18/gemma-bf16p-greedy-v12 --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench --model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --dtype bfloat16 --max-new-tokens 128 \
+  --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16p-t1-v12 --methods "autoregressive,hf_generate,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16p-t1-128 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+for R in gemma-bf16p-greedy-v12 gemma-bf16p-t1-v12 qwen-bf16p-t1-128; do
+  python benchmarks/controller_bars.py $OUT/i18/$R/summary.json
+  python benchmarks/round_breakdown.py $OUT/i18/$R
+done
