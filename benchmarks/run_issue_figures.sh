@@ -434,3 +434,6 @@ for R in gemma-bf16p-greedy-v12 gemma-bf16p-t1-v12 qwen-bf16p-t1-128; do
   python benchmarks/controller_bars.py $OUT/i18/$R/summary.json
   python benchmarks/round_breakdown.py $OUT/i18/$R
 done
+# an A/A run: how far two plain-decoding rows of one run differ here (MT-bench, T=1, the target alone)
+speculum bench --model qwen2.5-coder-1.5b --threads 2 --dataset mt_bench --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 \
+  --out $OUT/i18/qwen-mtbench-t1-aa --methods "autoregressive,autoregressive:controller=false,prompt_lookup,prompt_lookup:controller=false,anpd"
