@@ -215,6 +215,29 @@ def test_a_bursty_drafter_that_pays_on_average_keeps_drafting():
         assert sum(asked[-200:]) >= 180
 
 
+def chance_rounds(controller, rounds, rng, chance, accepted, forward_seconds, draft_seconds, plain_seconds=0.010):
+    """Rounds where a 4-token chain, verified whole, has its first ``accepted`` tokens taken with
+    probability ``chance`` (else none); plain rounds take ``plain_seconds``. Which rounds asked."""
+    asked = []
+    for _ in range(rounds):
+        asked.append(controller.wants_draft())
+        if asked[-1]:
+            draft = chain_draft(4, 0.5)
+            tree = TokenTree.from_draft(1, draft, keep=[True] * 4)
+            taken = accepted if rng.random() < chance else 0
+            controller.observe_round(
+                tree, list(range(taken + 1)), draft, asked=True, committed=taken + 1,
+                forward_seconds=forward_seconds, round_seconds=forward_seconds + draft_seconds,
+                draft_seconds=draft_seconds,
+            )  # fmt: skip
+        else:
+            controller.observe_round(
+                TokenTree([1], [-1]), [0], None, asked=False, committed=1,
+                forward_seconds=plain_seconds, round_seconds=plain_seconds,
+            )  # fmt: skip
+    return asked
+
+
 def test_lucky_probes_of_a_losing_drafter_do_not_restart_the_back_off():
     """Lookahead at T=1 (issue #18): asked rounds cost 1.4 plain steps and commit one token, but one
     in nine commits three. Asking loses 13%, yet a 3-round probe that catches a 3-token round looks
@@ -222,22 +245,8 @@ def test_lucky_probes_of_a_losing_drafter_do_not_restart_the_back_off():
     half of the rounds. A win halves it now, so the losses keep it backed off."""
     for seed in range(4):
         rng = random.Random(seed)
-        controller, asked = Controller(FLAT, carry_backoff=True), 0
-        for _ in range(3000):
-            if controller.wants_draft():
-                asked += 1
-                draft = chain_draft(4, 0.5)
-                tree = TokenTree.from_draft(1, draft, keep=[True] * 4)
-                accepted = 2 if rng.random() < 1 / 9 else 0
-                controller.observe_round(
-                    tree, list(range(accepted + 1)), draft, asked=True, committed=accepted + 1,
-                    forward_seconds=0.012, round_seconds=0.014, draft_seconds=0.002,
-                )  # fmt: skip
-            else:
-                controller.observe_round(
-                    TokenTree([1], [-1]), [0], None, asked=False, committed=1,
-                    forward_seconds=0.010, round_seconds=0.010,
-                )  # fmt: skip
+        controller = Controller(FLAT, carry_backoff=True)
+        asked = sum(chance_rounds(controller, 3000, rng, 1 / 9, 2, forward_seconds=0.012, draft_seconds=0.002))
         assert asked / 3000 < 0.12, f"seed {seed}: asked in {asked / 3000:.0%} of the rounds"  # (restarting: 27%)
 
 
@@ -404,23 +413,7 @@ def test_a_plain_step_dearer_by_the_cost_model_than_in_fact_is_found_out():
     truth (the other sizes right) and asking gives 1.3 tokens per 1.5 plain steps (0.87x plain,
     1.7x what the model says)."""
     controller = Controller(CostModel([(1, 0.020), (5, 0.0125), (64, 0.050)]))
-    rng = random.Random(0)
-    asked = []
-    for _ in range(600):
-        asked.append(controller.wants_draft())
-        if asked[-1]:
-            draft = chain_draft(4, 0.5)
-            tree = TokenTree.from_draft(1, draft, keep=[True] * 4)
-            accepted = 1 if rng.random() < 0.3 else 0
-            controller.observe_round(
-                tree, list(range(accepted + 1)), draft, asked=True, committed=accepted + 1,
-                forward_seconds=0.0125, round_seconds=0.015, draft_seconds=0.0025,
-            )  # fmt: skip
-        else:
-            controller.observe_round(
-                TokenTree([1], [-1]), [0], None, asked=False, committed=1,
-                forward_seconds=0.010, round_seconds=0.010,
-            )  # fmt: skip
+    asked = chance_rounds(controller, 600, random.Random(0), 0.3, 1, forward_seconds=0.0125, draft_seconds=0.0025)
     assert all(asked[:16])  # the model's word is taken until a plain round is measured
     assert controller.plain_round == pytest.approx(0.010)
     assert sum(asked[-300:]) < 0.15 * 300  # then the drafter is backed off (probes only)
