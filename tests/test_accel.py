@@ -95,3 +95,148 @@ def test_every_method_gives_the_same_text_on_a_packed_bfloat16_model(arch):
     accel.prepack(draft)
     for method in methods:
         assert generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)[0] == stock[method], method
+
+
+# ---- padding small forwards to 4 rows (a faster oneDNN kernel on some CPUs; decided by measuring)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=native_bf16)])
+def test_padded_rows_give_the_four_row_kernels_results(dtype):
+    """A padded layer computes 1-3 rows as the first rows of a 4-row product (zeros below), in any
+    input shape, and leaves 4 or more rows (and empty inputs) as they were."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96).to(dtype)
+    layer = accel.PackedLinear(linear)
+    x = torch.randn(2, 1, 3, 64).to(dtype)  # 6 rows in all
+    unpadded = {rows: layer(x.reshape(-1, 64)[:rows]) for rows in range(1, 7)}
+    layer.min_rows = 4
+    for rows in range(1, 4):
+        flat = x.reshape(-1, 64)[:rows]
+        four = torch.cat([flat, flat.new_zeros(4 - rows, 64)])
+        expected = torch.ops.mkldnn._linear_pointwise(four, layer.packed_weight, layer.bias, "none", [], "")[:rows]
+        got = layer(flat[None])  # [1, rows, 64]
+        assert got.shape == (1, rows, 96)
+        assert torch.equal(got[0], expected)
+        torch.testing.assert_close(got[0], unpadded[rows], atol=2e-2, rtol=2e-2)
+    for rows in (4, 5, 6):
+        assert torch.equal(layer(x.reshape(-1, 64)[:rows]), unpadded[rows])
+    assert layer(torch.empty(0, 64, dtype=dtype)).shape == (0, 96)
+    assert layer(x).shape == (2, 1, 3, 96)
+    assert "min_rows=4" in repr(layer)
+
+
+def test_methods_stay_exact_with_padded_forwards():
+    """Padding changes which kernel runs, for plain decoding as for verification: greedy output still
+    equals plain greedy decoding's on the same (padded) model, for chains and trees."""
+    model = tiny_model("qwen2")
+    draft = perturbed_copy(model, 0.4)
+    accel.prepack(model)
+    accel.prepack(draft)
+    assert accel.set_min_rows(model, 4) == 2 * 7 + 1 and accel.min_rows(model) == 4
+    prompt = repetitive_prompt(30, 7, 1)
+    plain = generate_ids(model, prompt, build_drafter("autoregressive", draft, VOCAB), 40)[0]
+    for method in ["prompt_lookup", "anpd", "draft_model", "lookahead"]:
+        ids, stats = generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)
+        assert ids == plain, method
+    assert stats.target_forwards < 40  # something was drafted and verified
+
+
+class _FakeRunner:
+    """Stands in for ModelRunner in the padding measurement: a packed model whose forwards take the
+    time ``cost(width, padded)`` (advanced on a fake clock), so the decision is deterministic."""
+
+    def __init__(self, cost, clock):
+        self.model = tiny_model("llama")
+        accel.prepack(self.model)
+        self.input_device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.cost, self.clock, self.forwards = cost, clock, 0
+        self.real = __import__("speculum.runner", fromlist=["ModelRunner"]).ModelRunner(self.model)
+
+    def new_cache(self):
+        return self.real.new_cache()
+
+    def prefill(self, cache, ids):
+        return self.real.prefill(cache, ids)
+
+    def forward(self, cache, ids):
+        self.forwards += 1
+        self.clock.now += self.cost(len(ids), accel.min_rows(self.model) > 1)
+        return self.real.forward(cache, ids)
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch, tmp_path):
+    import speculum.costs
+
+    clock = _Clock()
+    monkeypatch.setattr(accel.time, "perf_counter", clock)
+    monkeypatch.delenv(accel.PAD_ENV, raising=False)
+    monkeypatch.setattr(speculum.costs, "cache_dir", lambda: tmp_path)  # each test its own cache
+    return clock
+
+
+def test_padding_is_chosen_where_it_measures_faster_and_cached(fake_clock):
+    runner = _FakeRunner(lambda width, padded: 0.10 if padded else 0.13 + 0.02 * width, fake_clock)
+    choice = accel.choose_row_padding(runner)
+    assert choice.rows == 4 and accel.min_rows(runner.model) == 4 and not choice.cached
+    assert choice.ms == {"1": 150.0, "1 padded": 100.0, "2": 170.0, "2 padded": 100.0}
+    assert "padded to 4" in choice.describe()
+    timed = runner.forwards
+    again = _FakeRunner(lambda width, padded: 1.0, fake_clock)  # same machine key: read, not measured
+    accel.set_min_rows(again.model, 1)
+    cached = accel.choose_row_padding(again)
+    assert cached.rows == 4 and cached.cached and again.forwards == 0 and timed > 0
+    assert accel.min_rows(again.model) == 4
+
+
+def test_padding_is_left_off_where_it_does_not_pay_and_env_overrides(fake_clock, monkeypatch):
+    runner = _FakeRunner(lambda width, padded: 0.099 if padded else 0.100, fake_clock)  # 1%: under the margin
+    choice = accel.choose_row_padding(runner)
+    assert choice.rows == 1 and accel.min_rows(runner.model) == 1 and "no padding" in choice.describe()
+    monkeypatch.setenv(accel.PAD_ENV, "on")
+    assert accel.choose_row_padding(runner).rows == 4 and accel.min_rows(runner.model) == 4
+    monkeypatch.setenv(accel.PAD_ENV, "0")
+    forwards = runner.forwards
+    assert accel.choose_row_padding(runner).rows == 1 and accel.min_rows(runner.model) == 1
+    assert runner.forwards == forwards  # neither override measures
+
+
+def test_an_unreadable_padding_cache_is_measured_again(fake_clock):
+    runner = _FakeRunner(lambda width, padded: 0.10 if padded else 0.15, fake_clock)
+    path = accel._padding_path(runner)
+    path.write_text("{not json")
+    assert accel.choose_row_padding(runner).rows == 4 and runner.forwards > 0
+    assert accel._read_padding(path)["1 padded"] == 100.0  # rewritten whole
+
+
+def test_padding_measurement_leaves_the_cost_key_apart():
+    """The cost model's curve is measured on the padded model: its cache key says so (and an unpadded
+    model keeps the key it always had)."""
+    from speculum.costs import machine_key
+    from speculum.runner import ModelRunner
+
+    runner = ModelRunner(tiny_model("llama"))
+    accel.prepack(runner.model)
+    plain = machine_key(runner)
+    accel.set_min_rows(runner.model, 4)
+    assert machine_key(runner) != plain
+    assert machine_key(runner, padding=False) == plain
+
+
+def test_load_pads_as_measured_and_says_so(model_dir, monkeypatch):
+    import speculum
+
+    monkeypatch.setenv(accel.PAD_ENV, "on")
+    spec = speculum.load(model_dir)
+    assert spec.row_padding.rows == 4 and accel.min_rows(spec.model) == 4
+    monkeypatch.setenv(accel.PAD_ENV, "off")
+    spec = speculum.load(model_dir, prepack=False)
+    assert spec.row_padding is None and accel.min_rows(spec.model) == 1

@@ -13,6 +13,14 @@ every call: prepacked, a Qwen2.5-Coder 1.5B layer's MLP runs 2-2.8x faster over 
 of the whole model over 1-8 tokens 25-34% cheaper, with logits bit-identical to the stock layers'
 (issue #18, fourteenth pass). Where bfloat16 is emulated it is left as it is (not measured there).
 
+Forwards over fewer than 4 rows can be padded to 4 (``PackedLinear.min_rows``, decided by
+measuring the loaded model: :func:`choose_row_padding`). On the AVX-512-BF16 EPYC measured here,
+oneDNN's bfloat16 kernels for 1-2 rows ran slower than its kernel for 4: a Qwen2.5-Coder 1.5B
+one-token step took 150-178 ms and a two-token verification 169-182 ms, against 130-147 ms for
+four tokens; padded to 4 rows (the extra rows zeros, their outputs dropped) the one- and two-token
+forwards cost 128-150 ms (issue #18, sixteenth pass). A draft model verifying one token a round
+paid the most.
+
 The swap is reversible (``unpacked``) so a benchmark can time transformers' stock model in the
 same process. Numerics: float32 results differ from MKL's in the last bits, exactly like any other
 kernel choice; greedy equality is always between runs on the same kernels.
@@ -21,10 +29,23 @@ kernel choice; greedy equality is always between runs on the same kernels.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import os
+import statistics
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("speculum")
+
+PAD_ROWS = 4  # forwards over fewer rows run as this many where that measures faster
+PAD_MARGIN = 0.03  # padding must measure at least this much faster (a wrong call costs a few %)
+PAD_ENV = "SPECULUM_ROW_PADDING"  # "0"/"off": never; "on": always (not measured); "refresh": measure again
+_PAD_VERSION = 1
 
 
 class PackedLinear(nn.Module):
@@ -36,8 +57,15 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
+        self.min_rows = 1  # inputs of fewer rows are padded to this many (see choose_row_padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if 0 < rows < self.min_rows:  # a kernel for more rows that runs faster: pad with zero rows
+            flat = x.reshape(rows, self.in_features)
+            flat = torch.cat([flat, flat.new_zeros(self.min_rows - rows, self.in_features)])
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+            return out[:rows].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
@@ -47,7 +75,8 @@ class PackedLinear(nn.Module):
         return linear
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        padded = f", min_rows={self.min_rows}" if self.min_rows > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{padded}"
 
 
 def packable_dtypes() -> frozenset[torch.dtype]:
@@ -132,3 +161,150 @@ def output_size(model: nn.Module) -> int:
     """Rows of the LM head (the logits' width), packed or not."""
     head = model.get_output_embeddings()
     return head.out_features if isinstance(head, PackedLinear) else head.weight.shape[0]
+
+
+# ------------------------------------------------------------------------------- row padding
+
+
+def set_min_rows(model: nn.Module, rows: int) -> int:
+    """Pad every packed layer's inputs of fewer than ``rows`` rows to ``rows`` (1: no padding); returns
+    how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.min_rows = rows
+    return len(layers)
+
+
+def min_rows(model: nn.Module) -> int:
+    """The row padding of ``model``'s packed layers (1: none, or not packed)."""
+    return max((m.min_rows for m in model.modules() if isinstance(m, PackedLinear)), default=1)
+
+
+@dataclass(frozen=True)
+class RowPadding:
+    """Whether a model's small forwards are padded to ``PAD_ROWS`` rows, and why
+    (``Speculum.row_padding``; ``speculum generate --stats``). ``ms``: the measured forwards (one and two
+    tokens, unpadded and padded); ``cached``: the measurement was read from the cache."""
+
+    rows: int
+    reason: str
+    ms: dict[str, float] = field(default_factory=dict)
+    cached: bool = False
+
+    def describe(self) -> str:
+        what = f"forwards of 1-{PAD_ROWS - 1} rows padded to {PAD_ROWS}" if self.rows > 1 else "no padding"
+        return f"{what} ({self.reason}{', measured earlier, cached' if self.cached and self.ms else ''})"
+
+
+def _pad_setting() -> str:
+    value = os.environ.get(PAD_ENV, "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    return "refresh" if value == "refresh" else "auto"
+
+
+def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPadding:
+    """Measure whether padding one- and two-token forwards to ``PAD_ROWS`` rows makes ``runner``'s
+    model faster on this machine, set it on the model's packed layers, and say why.
+
+    The forwards are timed through the engine's own runner after 64 cached positions, padded and
+    unpadded interleaved (a slow phase of the CPU then slows both alike), the median of ``reps``
+    kept; padding is chosen when the one- and two-token forwards together measure at least
+    ``PAD_MARGIN`` faster. Decided once per machine, software and model shape (cached beside the cost
+    model), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns it off, ``=on`` pads
+    without measuring, ``=refresh`` measures again. Exactness is unaffected: every forward of the
+    model, plain decoding's included, runs on the same kernels; the padded rows are zeros whose
+    outputs are dropped."""
+    model = runner.model
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        return RowPadding(1, "the model is not prepacked")
+    setting = _pad_setting()
+    if setting in ("off", "on"):
+        rows = PAD_ROWS if setting == "on" else 1
+        set_min_rows(model, rows)
+        return RowPadding(rows, f"{PAD_ENV}={os.environ.get(PAD_ENV)}")
+    path = _padding_path(runner)
+    ms = None if setting == "refresh" else _read_padding(path)
+    cached = ms is not None
+    if ms is None:
+        start = time.perf_counter()
+        try:
+            ms = _time_padding(runner, reps, budget_s)
+        except Exception as error:  # noqa: BLE001 - an optimisation: never a reason to fail a load
+            set_min_rows(model, 1)
+            logger.warning("speculum: could not time row padding (%s: %s)", type(error).__name__, error)
+            return RowPadding(1, f"measuring failed: {type(error).__name__}")
+        logger.info("speculum: timed row padding in %.1f s", time.perf_counter() - start)
+        _write_padding(path, ms)
+    plain, padded = ms["1"] + ms["2"], ms["1 padded"] + ms["2 padded"]
+    rows = PAD_ROWS if padded < plain * (1 - PAD_MARGIN) else 1
+    set_min_rows(model, rows)
+    reason = (
+        f"one-token forward {ms['1']:.1f} ms, padded {ms['1 padded']:.1f}; "
+        f"two tokens {ms['2']:.1f} ms, padded {ms['2 padded']:.1f}"
+    )
+    return RowPadding(rows, reason, dict(ms), cached)
+
+
+def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
+    from speculum.cache import crop
+
+    model = runner.model
+    vocab = output_size(model)
+    ids = [(i * 7919 + 10) % vocab for i in range(66)]
+    cache = runner.new_cache()
+    runner.prefill(cache, ids[:-2])
+    past = len(ids) - 2
+    times: dict[str, list[float]] = {"1": [], "1 padded": [], "2": [], "2 padded": []}
+    start = time.perf_counter()
+    try:
+        for rep in range(reps + 1):  # the first pass warms every shape up
+            for rows in (1, PAD_ROWS) if rep % 2 else (PAD_ROWS, 1):
+                set_min_rows(model, rows)
+                for width in (1, 2):
+                    began = time.perf_counter()
+                    out = runner.forward(cache, ids[-width:])
+                    out.logits[0].argmax()
+                    elapsed = time.perf_counter() - began
+                    crop(cache, past)
+                    if rep:
+                        times[f"{width}{' padded' if rows > 1 else ''}"].append(elapsed)
+            if rep and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        set_min_rows(model, 1)
+    return {label: round(statistics.median(values) * 1e3, 3) for label, values in times.items()}
+
+
+def _padding_path(runner):
+    from speculum.costs import cache_dir, machine_key
+
+    return cache_dir() / f"rows-{machine_key(runner, padding=False)}.json"
+
+
+def _read_padding(path) -> dict[str, float] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ms = data["ms"]
+        if data.get("version") != _PAD_VERSION or set(ms) != {"1", "1 padded", "2", "2 padded"}:
+            raise ValueError("another version")
+        if not all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in ms.values()):
+            raise ValueError("bad timings")
+        return {str(k): float(v) for k, v in ms.items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        logger.info("speculum: ignoring the row-padding cache file %s (%s); measuring again", path, error)
+        return None
+
+
+def _write_padding(path, ms: dict[str, float]) -> None:
+    from speculum.poolfile import write_atomic
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, (json.dumps({"version": _PAD_VERSION, "ms": ms}) + "\n").encode(), what="row-padding cache")
+    except Exception as error:  # noqa: BLE001 - a cache that cannot be written costs a re-measure, nothing more
+        logger.warning("speculum: could not cache the row-padding decision (%s)", error)

@@ -62,6 +62,8 @@ class Speculum:
         self.name = name
         self.draft_name = draft_name
         self.runner = ModelRunner(model)
+        # set by load(): the dtype and why, and whether small forwards are padded (speculum.accel)
+        self.dtype_choice = self.row_padding = self.draft_row_padding = None
         self._drafters: dict[tuple, list] = {}  # configuration -> its drafters (one per row of a batch)
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
@@ -462,6 +464,8 @@ def load(
     ``dtype="auto"`` on a CPU times prepacked float32 against (prepacked) bfloat16 on the target's shapes (once per
     machine and model, cached; float32 where the CPU has no native bfloat16) and a draft model takes
     the same dtype; ``spec.dtype_choice`` (a ``speculum.models.DtypeChoice``) says what was chosen and why.
+    Prepacked models' one- and two-token forwards are padded to 4 rows where that measures faster
+    (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.accel.choose_row_padding``).
     """
     from speculum import models
 
@@ -483,7 +487,7 @@ def load(
     )
     if prepack:
         accel.prepack(target)  # before building a self-draft, which then shares the packed layers
-    draft_model = draft_tokenizer = None
+    draft_model = draft_tokenizer = self_layers = None
     if draft:
         self_layers = models.parse_draft_spec(draft)
         if self_layers is not None:
@@ -499,6 +503,10 @@ def load(
                 accel.prepack(draft_model)
     spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
     spec.dtype_choice = dtype_choice  # the target's dtype and why (dtype="auto" measures on a CPU)
+    if prepack:  # small forwards padded where a kernel for more rows is faster (measured once, cached)
+        spec.row_padding = accel.choose_row_padding(spec.runner)
+        if draft_model is not None and self_layers is None:  # a self-draft shares the target's layers
+            spec.draft_row_padding = accel.choose_row_padding(ModelRunner(draft_model))
     if config is not None:
         spec.default_config = config
     return spec

@@ -153,10 +153,10 @@ def generate(
     if json_output:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     elif stats:
-        print_stats(result, config, getattr(spec, "dtype_choice", None))
+        print_stats(result, config, spec.dtype_choice, spec.row_padding)
 
 
-def print_stats(result, config, dtype_choice=None) -> None:
+def print_stats(result, config, dtype_choice=None, row_padding=None) -> None:
     s = result.stats
     table = Table(title=f"{config!r}", show_header=False, title_justify="left")
     rows = [
@@ -194,6 +194,8 @@ def print_stats(result, config, dtype_choice=None) -> None:
     err.print(table)
     if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
+    if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
+        err.print(f"linear layers: {row_padding.describe()}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()

@@ -207,10 +207,13 @@ def _cpu_identity() -> str:
     return f"{name}|{flags}"
 
 
-def machine_key(runner) -> str:
-    """What a measured curve depends on: the model's shape and dtype, whether it is prepacked, the
-    device, threads, the CPU and library versions."""
+def machine_key(runner, *, padding: bool = True) -> str:
+    """What a measured curve depends on: the model's shape and dtype, whether it is prepacked (and its
+    small forwards padded, unless ``padding=False``: the key of that decision itself), the device,
+    threads, the CPU and library versions."""
     import transformers
+
+    from speculum.accel import min_rows
 
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -225,7 +228,7 @@ def machine_key(runner) -> str:
     parts = [
         json.dumps(shape, sort_keys=True),
         str(runner.dtype),
-        f"packed={packed}",
+        f"packed={packed}" + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else ""),
         str(device),
         f"threads={torch.get_num_threads()}",
         accelerator,

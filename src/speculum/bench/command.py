@@ -187,6 +187,9 @@ def bench(
     meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
     if getattr(spec, "dtype_choice", None) is not None:  # why this dtype (dtype="auto" measures on a CPU)
         meta["dtype_choice"] = spec.dtype_choice.to_dict()
+    for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
+        if getattr(spec, name, None) is not None:
+            meta[name] = {"rows": getattr(spec, name).rows, "reason": getattr(spec, name).describe()}
     from speculum.accel import is_packed
 
     meta["prepacked"] = is_packed(spec.model)
