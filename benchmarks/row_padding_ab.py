@@ -12,6 +12,11 @@ slows both alike; sampled requests use the same seed both ways. Printed: what ``
 why, then tokens/s per set, method and padding, the ratio padded / unpadded, each row's speedup
 over plain decoding with the same padding, and the mean time of a target forward by its number of
 nodes (1, 2, 3-4, 5+).
+
+    python benchmarks/row_padding_ab.py --forwards [--model qwen2.5-coder-1.5b] [--rounds 12]
+
+times bare forwards of chains of 1, 2, 3, 4, 5 and 8 tokens after 200 cached positions instead,
+unpadded and padded in alternating order each round (medians printed; no draft model loaded).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from speculum import accel
 from speculum.api import Speculum
 from speculum.bench.datasets import load_datasets
 from speculum.bench.report import machine_info, now_iso
+from speculum.cache import crop
 
 MODES = ("unpadded", "padded")
 
@@ -49,9 +55,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="also write the totals here (JSON)")
+    parser.add_argument("--forwards", action="store_true", help="time bare forwards by size instead")
+    parser.add_argument("--rounds", type=int, default=12, help="--forwards: timed rounds")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.forwards:
+        time_forwards(args.model, args.rounds)
+        return
 
     loaded = speculum.load(args.model, args.draft or None)
     print(f"dtype: {loaded.dtype_choice.describe()}", flush=True)
@@ -150,6 +161,30 @@ def main() -> None:
                 "rates": rows, "forwards": forwards, "same_tokens": dict(same_text), "prompts": len(prompts),
             }  # fmt: skip
             json.dump(doc, f, indent=1)
+
+
+def time_forwards(model: str, rounds: int, sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8)) -> None:
+    spec = speculum.load(model)
+    print(f"dtype: {spec.dtype_choice.describe()}\ntarget: {spec.row_padding.describe()}", flush=True)
+    runner, vocab = spec.runner, accel.output_size(spec.model)
+    ids = [(i * 7919 + 10) % vocab for i in range(200)]
+    cache = runner.new_cache()
+    runner.prefill(cache, ids[:-1])
+    past = len(ids) - 1
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for round_ in range(rounds + 1):  # the first round warms every shape up
+        for mode in MODES if round_ % 2 else reversed(MODES):
+            accel.set_min_rows(spec.model, accel.PAD_ROWS if mode == "padded" else 1)
+            for n in sizes:
+                start = time.perf_counter()
+                runner.forward(cache, [ids[-1]] + ids[: n - 1]).logits[0].argmax()
+                elapsed = time.perf_counter() - start
+                crop(cache, past)
+                if round_:
+                    times[(mode, n)].append(elapsed)
+    print(f"{model}: forward of n tokens after {past} cached, median ms of {rounds} ({now_iso()})")
+    for mode in MODES:
+        print(f"{mode:9s} " + "  ".join(f"n={n}: {statistics.median(times[(mode, n)]) * 1e3:6.1f}" for n in sizes))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,11 @@ class CostModel:
         # to that one. Without this, one slow sample at t(4) made 4 nodes look dearer than 8, and the
         # controller pruned every draft to 2 nodes. t(1) stays as measured: one token runs other
         # kernels (matrix-vector), and in bfloat16 on an AVX-512-bf16 CPU it really is dearer than two
-        # (Qwen2.5-Coder 1.5B: 157 ms against 132 ms, and plain decoding ran at 159 ms a token).
+        # (Qwen2.5-Coder 1.5B: 157 ms against 132 ms, and plain decoding ran at 159 ms a token). So was
+        # t(2) there, unpadded (169-182 ms against 130-147 for four): the envelope lowered it, and
+        # only the online correction of its own size bucket learnt it back. Models whose small
+        # forwards pay for it are now padded to 4 rows (speculum.accel.choose_row_padding), which
+        # makes 1-4 nodes cost alike, as the envelope assumes.
         envelope: list[tuple[int, float]] = []
         for n, t in sorted(self.points, reverse=True):
             envelope.append((n, t if not envelope or n == 1 else min(t, envelope[-1][1])))
