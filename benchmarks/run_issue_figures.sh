@@ -437,3 +437,20 @@ done
 # an A/A run: how far two plain-decoding rows of one run differ here (MT-bench, T=1, the target alone)
 speculum bench --model qwen2.5-coder-1.5b --threads 2 --dataset mt_bench --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 \
   --out $OUT/i18/qwen-mtbench-t1-aa --methods "autoregressive,autoregressive:controller=false,prompt_lookup,prompt_lookup:controller=false,anpd"
+# sixteenth pass: one- and two-token forwards padded to 4 rows where that measures faster (speculum.accel,
+# decided at load); bare forwards by size, padded against unpadded end to end in one run, then the Qwen pair
+# at T=1 on the two sets where single methods missed, 8 prompts each, beside an A/A row
+python benchmarks/row_padding_ab.py --forwards --model qwen2.5-coder-1.5b --rounds 12 --threads 2
+python benchmarks/row_padding_ab.py --methods autoregressive,draft_model,ouroboros --sets mt_bench,wmt16 --limit 3 \
+  --temperature 1 --threads 2 --out benchmarks/results/issue18-row-padding-ab-t1.json
+python benchmarks/row_padding_ab.py --methods autoregressive,draft_model,anpd --sets humaneval,gsm8k --limit 2 \
+  --threads 2 --out benchmarks/results/issue18-row-padding-ab-greedy.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 --limit 8 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-padded-mt-wmt-8 \
+  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/controller_bars.py $OUT/i18/qwen-t1-padded-mt-wmt-8/summary.json
+python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-padded-mt-wmt-8
+# ... and MT-bench again right after (the same prompts and code): how far one 8-prompt run resolves the bar
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 8 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-padded-mt-8-rerun \
+  --methods "autoregressive,autoregressive:controller=false,hf_assisted,draft_model,ouroboros,prompt_lookup,auto"
