@@ -454,3 +454,6 @@ python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-padded-mt-wmt-8
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 8 \
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-padded-mt-8-rerun \
   --methods "autoregressive,autoregressive:controller=false,hf_assisted,draft_model,ouroboros,prompt_lookup,auto"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 8 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-padded-wmt-8-rerun \
+  --methods "autoregressive,autoregressive:controller=false,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
