@@ -283,6 +283,8 @@ def test_cli_stream_and_stats(model_dir):
     )
     assert result.exit_code == 0, result.output
     assert "mean acceptance length" in result.output
+    # whether small forwards are padded, and why (the suite turns the measurement off: conftest)
+    assert "linear layers: no padding (SPECULUM_ROW_PADDING=0)" in result.output
 
 
 @pytest.mark.parametrize(

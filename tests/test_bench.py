@@ -504,6 +504,8 @@ def test_command_resumes_an_interrupted_run(model_dir, tmp_path):
     assert res.exit_code == 0, res.output
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 6 and json.loads((out / "run.json").read_text())["settings"]["limit"] == 3
+    meta = json.loads((out / "summary.json").read_text())["meta"]  # what load decided, with the run
+    assert meta["row_padding"]["rows"] == 1 and "no padding" in meta["row_padding"]["reason"]
     # interrupted while the second prompt's records were written: its first line whole, its second cut
     (out / "records.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
     res = CliRunner().invoke(_app(), [*args, "--resume"])
