@@ -6,6 +6,7 @@ import torch
 
 from speculum import accel
 from speculum.models import dtypes
+from speculum.runner import ModelRunner
 
 from helpers import build_drafter, generate_ids
 from tiny_models import VOCAB, perturbed_copy, repetitive_prompt, tiny_model
@@ -151,7 +152,7 @@ class _FakeRunner:
         self.input_device = torch.device("cpu")
         self.dtype = torch.float32
         self.cost, self.clock, self.forwards = cost, clock, 0
-        self.real = __import__("speculum.runner", fromlist=["ModelRunner"]).ModelRunner(self.model)
+        self.real = ModelRunner(self.model)
 
     def new_cache(self):
         return self.real.new_cache()
@@ -221,7 +222,6 @@ def test_padding_measurement_leaves_the_cost_key_apart():
     """The cost model's curve is measured on the padded model: its cache key says so (and an unpadded
     model keeps the key it always had)."""
     from speculum.costs import machine_key
-    from speculum.runner import ModelRunner
 
     runner = ModelRunner(tiny_model("llama"))
     accel.prepack(runner.model)

@@ -188,8 +188,8 @@ def bench(
     if getattr(spec, "dtype_choice", None) is not None:  # why this dtype (dtype="auto" measures on a CPU)
         meta["dtype_choice"] = spec.dtype_choice.to_dict()
     for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
-        if getattr(spec, name, None) is not None:
-            meta[name] = {"rows": getattr(spec, name).rows, "reason": getattr(spec, name).describe()}
+        if (padding := getattr(spec, name, None)) is not None:
+            meta[name] = {"rows": padding.rows, "reason": padding.describe()}
     from speculum.accel import is_packed
 
     meta["prepacked"] = is_packed(spec.model)
