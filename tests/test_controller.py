@@ -589,6 +589,20 @@ def test_cost_model_observes_forwards_per_size_bucket():
     assert restored.points == cost.points
 
 
+def test_one_slow_first_forward_does_not_make_plain_steps_look_dear():
+    # the first forward after a prefill took 1.75 times its measured cost (cold): taken whole, it
+    # made t(1) (which borrows the nearest bucket's factor) 75% dearer, and the controller judged
+    # drafting against a plain step that expensive for ~20 forwards
+    cost = CostModel([(1, 0.150), (2, 0.150), (8, 0.190)])
+    cost.observe(2, 0.264)
+    assert cost.plain_step < 0.150 * 1.1
+    for _ in range(10):
+        cost.observe(2, 0.150)
+    assert cost.plain_step == pytest.approx(0.150, rel=0.05)
+    controller = Controller(cost)
+    assert controller.plain_rate() == pytest.approx(1 / 0.150, rel=0.05)
+
+
 def test_a_slow_sample_never_makes_a_smaller_forward_dearer_than_a_bigger_one():
     # measured on a busy machine: t(4) caught a moment when another process had the core
     cost = CostModel([(1, 0.042), (2, 0.053), (4, 0.086), (8, 0.052), (16, 0.106)])

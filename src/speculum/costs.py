@@ -95,8 +95,13 @@ class CostModel:
             return
         bucket = size_bucket(n)
         ratio = seconds / max(self.base(n), 1e-9)
-        old = self.correction.get(bucket)
-        self.correction[bucket] = ratio if old is None else old + self.smoothing * (ratio - old)
+        # a bucket's first sample moves the factor it had (the nearest bucket's, or the measured
+        # curve's 1.0) like any other, instead of replacing it: the first forward of a process after
+        # a prefill can take twice its time, and taken whole it made every size one plain step
+        # dearer for the next ~20 forwards (a plain step at 270 ms against 140 ms as timed: the
+        # controller then saw drafting win where it lost, issue #18)
+        old = self._factor(bucket)
+        self.correction[bucket] = old + self.smoothing * (ratio - old)
 
     def batch(self, rows: int, n: int) -> float:
         """T(rows, n): one forward over ``rows`` trees padded to ``n`` nodes each. Before any batch was
