@@ -691,3 +691,83 @@ def test_the_controller_judges_a_round_without_the_drafters_catching_up():
     assert stats.time_draft_catch_up >= 0.3  # the prompt's prefill, at least
     assert stats.time_draft >= stats.time_draft_catch_up
     assert stats.drafted_round_time <= stats.wall_time - 0.3  # the rounds as judged: without it
+
+
+def test_a_catch_up_asking_would_not_win_back_is_skipped():
+    """A request's first draft pays a catch-up (a draft model's prefill): the controller asks only
+    when what asking saves per token, over the tokens the request likely has left, pays for it."""
+    controller = Controller(FLAT, carry_backoff=True)
+    # asking gives 1.25 tokens per 0.011 s against a plain step's 0.010 s: it saves ~1.2 ms a token
+    run_rounds(controller, 40, accepted_of=lambda i: 1 if i % 4 == 0 else 0, drafted=1, seconds=0.010,
+               draft_seconds=0.001)  # fmt: skip
+    assert controller.asked.rate > controller.plain_rate()
+    saving = 1 / controller.plain_rate() - 1 / controller.asked.rate
+    controller.start()
+    # nothing known of request lengths yet: the tokens left decide
+    assert controller.wants_draft(catch_up=0.9 * saving * 100, tokens_left=100)
+    controller.start()
+    assert not controller.wants_draft(catch_up=1.1 * saving * 100, tokens_left=100)
+    assert controller.wants_draft(catch_up=0.0, tokens_left=100)  # nothing to catch up: as before
+    for _ in range(3):
+        controller.finish(10)  # short requests
+    controller.start()
+    assert controller.typical_length < 20
+    assert not controller.wants_draft(catch_up=0.9 * saving * 100, tokens_left=100)
+    assert controller.wants_draft(catch_up=0.9 * saving * 10, tokens_left=100)
+
+
+def test_requests_that_skip_the_catch_up_ask_again_after_a_few():
+    """What asking saves rests on rounds that may be stale: after CATCH_UP_PATIENCE requests in a
+    row that never asked because of the catch-up, the next one asks anyway and measures again."""
+    from speculum.controller import CATCH_UP_PATIENCE
+
+    controller = Controller(FLAT, carry_backoff=True)
+    run_rounds(controller, 40, accepted_of=lambda i: 1 if i % 4 == 0 else 0, drafted=1, seconds=0.010,
+               draft_seconds=0.001)  # fmt: skip
+    asked = []
+    for _ in range(2 * (CATCH_UP_PATIENCE + 1)):
+        controller.start()
+        asked.append(controller.wants_draft(catch_up=1.0, tokens_left=50))
+        controller.finish(50)
+    assert asked == ([False] * CATCH_UP_PATIENCE + [True]) * 2
+
+
+def test_a_draft_model_learns_what_catching_up_costs_per_token():
+    from types import SimpleNamespace
+
+    from speculum.drafters.draft_model import CatchUpClock
+
+    clock = CatchUpClock()
+    assert clock.estimate(100) == 0.0  # nothing timed yet: not known
+    row = SimpleNamespace(catch_up_seconds=0.0)
+    clock.charge([row], [1], 0.05)
+    clock.charge([row], [3], 0.06)  # a short catch-up says little of the rate: not learnt from
+    assert clock.estimate(100) == 0.0
+    clock.charge([row], [41], 0.25)  # a prompt's prefill: 0.2 s beyond a step for 40 tokens
+    assert clock.estimate(100) == pytest.approx(0.5)
+
+
+def test_a_short_request_skips_a_draft_model_whose_prefill_would_not_pay():
+    """End to end: after long requests taught the controller what drafting saves and short ones how
+    long requests run, a request whose draft prefill costs more than drafting would save takes
+    plain steps only (its output unchanged), while a long one still drafts."""
+    model = tiny_model("llama")
+    drafter = build_drafter("draft_model", perturbed_copy(model, scale=0.1), VOCAB, num_speculative_tokens=3)
+    controller = Controller(FLAT)
+    runner = ModelRunner(model)
+    prompt = repetitive_prompt(24, 5, seed=3)
+
+    def request(max_new_tokens):
+        stats = Stats()
+        steps = engine.run(runner, prompt, drafter, SamplingParams(), max_new_tokens, frozenset(), None, stats,
+                           controller)  # fmt: skip
+        assert [t for step in steps for t in step] == reference_greedy(model, prompt, max_new_tokens)
+        return stats
+
+    assert request(40).rounds_drafted > 0
+    assert controller.asked.rate is not None
+    drafter.catch_up_estimate = lambda ctx: 1e3  # a prefill nothing could win back
+    stats = request(8)
+    assert stats.rounds_drafted == 0 and stats.rounds_plain > 0
+    drafter.catch_up_estimate = lambda ctx: 0.0
+    assert request(8).rounds_drafted > 0

@@ -69,6 +69,10 @@ EXPLORE_EVIDENCE = 8.0  # samples a bin needs before pruning its nodes is truste
 # verdicts in a row that asking pays per halving of the next back-off: one burst lifts the goodput
 # average for several rounds, and each of them is a verdict
 WINS_PER_HALVING = 3
+LENGTH_SMOOTHING = 0.3  # weight of the last finished request in the typical request length
+# requests in a row that may skip drafting because its catch-up would not pay, before one drafts
+# anyway and measures again what drafting gives (what that measurement rests on may be stale)
+CATCH_UP_PATIENCE = 4
 
 
 @dataclass
@@ -328,6 +332,11 @@ class Controller:
         # batches: whether a configuration's rows draft at all, one verdict per batch size (shared
         # by the rows' controllers, see for_row)
         self.batch_verdicts: dict[int, BatchVerdict] = {}
+        # how long requests run (new tokens, a moving average of the finished ones): what a catch-up
+        # paid at the first draft of a request can be won back over
+        self.typical_length: float | None = None
+        self._asked_in_request = False
+        self._requests_not_caught_up = 0  # requests in a row that never drafted for the catch-up's cost
 
     # ------------------------------------------------------------------ per request
 
@@ -354,6 +363,15 @@ class Controller:
         if not self.carry_backoff:
             self.backoff.reset()
             self._plain_left, self.probing = 0, False
+        self._asked_in_request = False
+
+    def finish(self, new_tokens: int) -> None:
+        """The request ended with ``new_tokens`` generated."""
+        if self.typical_length is None:
+            self.typical_length = float(new_tokens)
+        else:
+            self.typical_length += LENGTH_SMOOTHING * (new_tokens - self.typical_length)
+        self._requests_not_caught_up = 0 if self._asked_in_request else self._requests_not_caught_up + 1
 
     def plain_rate(self) -> float:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
@@ -367,9 +385,14 @@ class Controller:
         cost = self.cost
         return lambda n: cost.batch(rows, n) / rows
 
-    def wants_draft(self, rows: int = 1, step: object = None) -> bool:
+    def wants_draft(
+        self, rows: int = 1, step: object = None, *, catch_up: float = 0.0, generated: int = 0, tokens_left: int = 0
+    ) -> bool:
         """Whether to ask the drafter this round (False: a plain step); ``rows`` > 1: in ``step`` of
-        a batch of that many rows, where the configuration's batch verdict has a say too."""
+        a batch of that many rows, where the configuration's batch verdict has a say too.
+
+        ``catch_up``: the seconds asking would first spend catching up (``Drafter.catch_up_estimate``),
+        ``generated`` tokens into a request that may give ``tokens_left`` more."""
         if rows > 1:
             return self.verdict(rows).asks(step)
         if self._plain_left > 0:
@@ -378,7 +401,23 @@ class Controller:
             return False
         if self._since_plain >= min(self.plain_probe_every, 16 << (2 * min(self._plain_rounds, 4))):
             return False  # a plain round that measures what plain decoding costs now
+        if catch_up > 0.0 and not self._catch_up_pays(catch_up, generated, tokens_left):
+            return False
+        self._asked_in_request = True
         return True
+
+    def _catch_up_pays(self, catch_up: float, generated: int, tokens_left: int) -> bool:
+        """Whether what asking saves per token, over the tokens this request likely has left, pays
+        for the catch-up asking starts with. Issue #18: a 0.5B draft's prefill of a prompt costs
+        about two plain steps of the 1.5B target, and at T=1 drafting saves a few percent of a step
+        per token: on translations of 10-30 tokens it was lost before it was won back (draft_model
+        0.91x plain on WMT16). Unknown goodput, or ``CATCH_UP_PATIENCE`` requests in a row that
+        never drafted: ask (what asking gives is measured again)."""
+        rate = self.asked.rate
+        if rate is None or not self.asked.judged or self._requests_not_caught_up >= CATCH_UP_PATIENCE:
+            return True
+        saving = 1.0 / self.plain_rate() - 1.0 / rate  # seconds per token
+        return catch_up_pays(catch_up, saving, generated, tokens_left, self.typical_length)
 
     # ------------------------------------------------------------------ what to verify
 
@@ -591,6 +630,19 @@ class Controller:
             j = tree.source[node]
             score = scores[j] if scores is not None else None
             self.calibration.update(score, runs[j], node in on_path, labels[j])
+
+
+def catch_up_pays(
+    catch_up: float, saving: float, generated: int, tokens_left: int, typical_length: float | None
+) -> bool:
+    """Whether saving ``saving`` seconds per token over the tokens a request ``generated`` tokens in
+    likely has left pays for ``catch_up`` seconds now: at most ``tokens_left``, and, once it is known
+    how long requests run (``typical_length``), what is left of that, or half of it for a request
+    already past it."""
+    left = float(tokens_left)
+    if typical_length is not None:
+        left = min(left, max(typical_length - generated, typical_length / 2))
+    return saving * left > catch_up
 
 
 def by_batch_size(learned: dict, rows: int, new):

@@ -150,7 +150,14 @@ class Row:
         ctx.rows = rows
         self.t0 = time.perf_counter()
         controller = request.controller
-        self.asked = ctx.max_depth > 0 and (controller is None or controller.wants_draft(rows, step))
+        if controller is None or ctx.max_depth <= 0:
+            self.asked = ctx.max_depth > 0
+        else:
+            estimate = getattr(request.drafter, "catch_up_estimate", None)  # (a duck-typed drafter has none)
+            catch_up = estimate(ctx) if estimate is not None and rows == 1 else 0.0
+            self.asked = controller.wants_draft(
+                rows, step, catch_up=catch_up, generated=self.stats.new_tokens, tokens_left=ctx.max_depth + 1
+            )
         self.draft = None
         return self.asked
 
@@ -355,6 +362,8 @@ class Batch:
         row.done = True
         row.stats.stop_reason = row.stats.stop_reason or reason
         row.request.drafter.finish(row.ctx)
+        if row.request.controller is not None:
+            row.request.controller.finish(row.stats.new_tokens)
 
     @staticmethod
     def _draft(asked: list[Row]) -> dict[int, float]:

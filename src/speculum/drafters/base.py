@@ -248,6 +248,13 @@ class Drafter:
         """Return draft tokens below ``ctx.tokens[-1]``, or None to take a plain decode step."""
         return None
 
+    def catch_up_estimate(self, ctx: DraftContext) -> float:
+        """Seconds the next ``propose`` would spend catching up (see ``catch_up_seconds``), as
+        estimated before asking: a draft model's prefill of the prompt at a request's first draft.
+        The controller weighs it against what drafting would save over the tokens likely left
+        (0: nothing to catch up, or not known yet)."""
+        return 0.0
+
     @property
     def batch_key(self):
         """Rows of a batch whose drafters share a key (not None) propose together, through

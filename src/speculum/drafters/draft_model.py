@@ -60,6 +60,11 @@ class DraftModelState:
         self.stand_in = getattr(draft_model.config, "pad_token_id", None) or 0
         self.reset()
 
+    def backlog(self, tokens: list[int]) -> int:
+        """Committed tokens the next round must feed beyond its root (at least; a stale draft
+        token in the cache adds to it)."""
+        return max(0, len(tokens) - 1 - len(self.seen))
+
     def reset(self) -> None:
         self.cache = self.runner.new_cache()
         self.seen: list[int] = []
@@ -88,9 +93,18 @@ class CatchUpClock:
     some row) is charged to the catch-up beyond that (see ``Drafter.catch_up_seconds``)."""
 
     SMOOTHING = 0.2
+    # catch-ups of at least this many tokens teach the cost per token caught up (a prompt's prefill
+    # runs at the model's throughput; a token or two more than one costs next to nothing extra)
+    PER_TOKEN_BACKLOG = 16
 
     def __init__(self) -> None:
         self.step: dict[int, float] = {}  # rows -> seconds of a one-token-per-row forward
+        self.per_token: float | None = None  # seconds per token of a long catch-up, alone (a moving average)
+
+    def estimate(self, backlog: int) -> float:
+        """Seconds a lone catch-up of ``backlog`` tokens beyond the round's root costs (0 before any
+        long one was timed)."""
+        return backlog * self.per_token if self.per_token is not None and backlog > 0 else 0.0
 
     def charge(self, drafters: list, fed: list[int], seconds: float) -> None:
         """One draft forward of ``seconds`` that fed ``fed[i]`` tokens for ``drafters[i]``'s row."""
@@ -104,6 +118,9 @@ class CatchUpClock:
         backlog = sum(n - 1 for n in fed)
         for drafter, n in zip(drafters, fed, strict=True):
             drafter.catch_up_seconds += excess * (n - 1) / backlog
+        if rows == 1 and backlog >= self.PER_TOKEN_BACKLOG:
+            rate, known = excess / backlog, self.per_token
+            self.per_token = rate if known is None else known + self.SMOOTHING * (rate - known)
 
 
 def catch_up_clock(resources: Resources, model: torch.nn.Module, kind: str = "draft_model") -> CatchUpClock:
@@ -246,6 +263,9 @@ class DraftModelDrafter(Drafter):
         self.policy.begin_round(ctx.tokens)
         budget = self.policy.budget(ctx.max_depth)
         return DraftRound(self, ctx, budget) if budget >= 1 else None
+
+    def catch_up_estimate(self, ctx: DraftContext) -> float:
+        return self.clock.estimate(self.state.backlog(ctx.tokens))
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         round_ = self._begin(ctx)

@@ -222,6 +222,9 @@ class OuroborosDrafter(Drafter):
         self._chain, self._phrases = [], []
         return PhraseRound(self, ctx, budget)
 
+    def catch_up_estimate(self, ctx: DraftContext) -> float:
+        return self.clock.estimate(self.state.backlog(ctx.tokens))
+
     def propose(self, ctx: DraftContext) -> Draft | None:
         round_ = self._begin(ctx)
         return self._draft_alone(round_) if round_ is not None else None
