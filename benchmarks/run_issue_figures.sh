@@ -457,3 +457,20 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 8 \
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-padded-wmt-8-rerun \
   --methods "autoregressive,autoregressive:controller=false,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+# seventeenth pass: a request's first draft only where drafting's saving pays for the draft model's prefill;
+# the cost model's first sample of a size smoothed; the bench's method order a balanced Latin square.
+# The Qwen pair at T=1 on 40 WMT16 translations (before the new order) and 8 MT-bench questions, then WMT16
+# again with the new order
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-wmt-40 \
+  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 8 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-mt-8 \
+  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-mt-8
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-wmt-40-latin \
+  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-latin
+python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-latin

@@ -161,16 +161,22 @@ def test_split_method_specs():
         parse_methods("a,b,a")
 
 
-def test_interleaved_order():
-    ms = ["a", "b", "c"]
-    assert interleaved_order(ms, 0) == ["a", "b", "c"]
-    assert interleaved_order(ms, 1) == ["b", "c", "a"]
-    assert interleaved_order(ms, 2) == ["c", "a", "b"]
-    assert interleaved_order(ms, 3) == ["a", "b", "c"]
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+def test_interleaved_order_balances_positions_and_neighbours(n):
+    from collections import Counter
+
+    ms = [f"m{j}" for j in range(n)]
+    cycle = n if n % 2 == 0 or n <= 2 else 2 * n
+    orders = [interleaved_order(ms, i) for i in range(cycle)]
+    assert interleaved_order(ms, 0)[0] == "m0"
+    assert all(sorted(order) == ms for order in orders)  # every method once per prompt
+    for pos in range(n):  # every method equally often in every position
+        assert set(Counter(order[pos] for order in orders).values()) == {cycle // n}
+    if n > 2:  # every method right after every other one equally often (a rotation: always the same one)
+        pairs = Counter((order[j], order[j + 1]) for order in orders for j in range(n - 1))
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert [interleaved_order(ms, i) for i in range(cycle, 2 * cycle)] == orders
     assert interleaved_order([], 5) == []
-    # over len(ms) consecutive prompts every method runs once in every position
-    for pos in range(3):
-        assert sorted(interleaved_order(ms, i)[pos] for i in range(3)) == ms
 
 
 def test_compare_tokens():
