@@ -474,3 +474,7 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
   --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
 python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-latin
 python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-latin
+# ... and greedy, 12 WMT16 translations: the prefill rule against greedy drafting
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
+  --max-new-tokens 128 --seed 0 --out $OUT/i18/qwen-greedy-wmt-12 \
+  --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
