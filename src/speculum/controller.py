@@ -332,11 +332,8 @@ class Controller:
         # batches: whether a configuration's rows draft at all, one verdict per batch size (shared
         # by the rows' controllers, see for_row)
         self.batch_verdicts: dict[int, BatchVerdict] = {}
-        # how long requests run (new tokens, a moving average of the finished ones): what a catch-up
-        # paid at the first draft of a request can be won back over
-        self.typical_length: float | None = None
-        self._asked_in_request = False
-        self._requests_not_caught_up = 0  # requests in a row that never drafted for the catch-up's cost
+        # whether a request's first draft pays for the drafter's catching up (see _catch_up_pays)
+        self.catch_up_rule = CatchUpRule()
 
     # ------------------------------------------------------------------ per request
 
@@ -363,15 +360,16 @@ class Controller:
         if not self.carry_backoff:
             self.backoff.reset()
             self._plain_left, self.probing = 0, False
-        self._asked_in_request = False
+        self.catch_up_rule.start()
 
     def finish(self, new_tokens: int) -> None:
         """The request ended with ``new_tokens`` generated."""
-        if self.typical_length is None:
-            self.typical_length = float(new_tokens)
-        else:
-            self.typical_length += LENGTH_SMOOTHING * (new_tokens - self.typical_length)
-        self._requests_not_caught_up = 0 if self._asked_in_request else self._requests_not_caught_up + 1
+        self.catch_up_rule.finish(new_tokens)
+
+    @property
+    def typical_length(self) -> float | None:
+        """How many tokens requests have run lately (None before any ended)."""
+        return self.catch_up_rule.typical_length
 
     def plain_rate(self) -> float:
         seconds = self.plain_round if self.plain_round is not None else self.cost.plain_step + self.overhead
@@ -403,7 +401,7 @@ class Controller:
             return False  # a plain round that measures what plain decoding costs now
         if catch_up > 0.0 and not self._catch_up_pays(catch_up, generated, tokens_left):
             return False
-        self._asked_in_request = True
+        self.catch_up_rule.used()
         return True
 
     def _catch_up_pays(self, catch_up: float, generated: int, tokens_left: int) -> bool:
@@ -414,10 +412,8 @@ class Controller:
         0.91x plain on WMT16). Unknown goodput, or ``CATCH_UP_PATIENCE`` requests in a row that
         never drafted: ask (what asking gives is measured again)."""
         rate = self.asked.rate
-        if rate is None or not self.asked.judged or self._requests_not_caught_up >= CATCH_UP_PATIENCE:
-            return True
-        saving = 1.0 / self.plain_rate() - 1.0 / rate  # seconds per token
-        return catch_up_pays(catch_up, saving, generated, tokens_left, self.typical_length)
+        saving = 1.0 / self.plain_rate() - 1.0 / rate if rate is not None and self.asked.judged else None
+        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left)
 
     # ------------------------------------------------------------------ what to verify
 
@@ -632,17 +628,41 @@ class Controller:
             self.calibration.update(score, runs[j], node in on_path, labels[j])
 
 
-def catch_up_pays(
-    catch_up: float, saving: float, generated: int, tokens_left: int, typical_length: float | None
-) -> bool:
-    """Whether saving ``saving`` seconds per token over the tokens a request ``generated`` tokens in
-    likely has left pays for ``catch_up`` seconds now: at most ``tokens_left``, and, once it is known
-    how long requests run (``typical_length``), what is left of that, or half of it for a request
-    already past it."""
-    left = float(tokens_left)
-    if typical_length is not None:
-        left = min(left, max(typical_length - generated, typical_length / 2))
-    return saving * left > catch_up
+class CatchUpRule:
+    """Whether a request's first use of a drafter that must first catch up (a draft model's
+    prefill of the prompt) pays: what using it saves per token, over the tokens the request likely
+    has left, against the catch-up's seconds. It keeps how long requests run (a moving average of
+    the finished ones' new tokens) and how many requests in a row went without; after
+    ``CATCH_UP_PATIENCE`` of them the next one uses it anyway, so what the saving rests on is
+    measured again. The controller keeps one for its drafter, ``auto`` one per costly group."""
+
+    def __init__(self) -> None:
+        self.typical_length: float | None = None
+        self._used = False  # in the request in flight
+        self._without = 0  # requests in a row that never used it
+
+    def start(self) -> None:
+        self._used = False
+
+    def used(self) -> None:
+        self._used = True
+
+    def finish(self, new_tokens: int) -> None:
+        known = self.typical_length
+        self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
+        self._without = 0 if self._used else self._without + 1
+
+    def pays(self, catch_up: float, saving: float | None, generated: int, tokens_left: int) -> bool:
+        """Whether saving ``saving`` seconds per token (None: not known yet) pays for ``catch_up``
+        seconds now, ``generated`` tokens into a request: over at most ``tokens_left`` tokens, and,
+        once it is known how long requests run, what is left of that, or half of it for a request
+        already past it."""
+        if catch_up <= 0.0 or saving is None or self._without >= CATCH_UP_PATIENCE:
+            return True
+        left = float(tokens_left)
+        if self.typical_length is not None:
+            left = min(left, max(self.typical_length - generated, self.typical_length / 2))
+        return saving * left > catch_up
 
 
 def by_batch_size(learned: dict, rows: int, new):

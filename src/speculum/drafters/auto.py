@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from speculum.controller import CATCH_UP_PATIENCE, LENGTH_SMOOTHING, Backoff, Goodput, by_batch_size, catch_up_pays
+from speculum.controller import Backoff, CatchUpRule, Goodput, by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -167,36 +167,18 @@ class ModelGate:
         self._since_refresh = 0
         # used -> [tokens, seconds, rows, tokens without, seconds without, rows with that estimate]
         self._pending: dict[bool, list[float]] = {}
-        # how long requests run (see Controller.typical_length), and requests in a row whose catch-up
-        # (a draft model's prefill) was not worth it: alone, a request's first use of the group
-        # starts with one (see worth_catching_up)
-        self.typical_length: float | None = None
-        self._used_in_request = False
-        self._requests_not_caught_up = 0
-
-    def start(self) -> None:
-        self._used_in_request = False
-
-    def finish(self, new_tokens: int) -> None:
-        """A request that ran alone ended with ``new_tokens`` generated."""
-        known = self.typical_length
-        self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
-        self._requests_not_caught_up = 0 if self._used_in_request else self._requests_not_caught_up + 1
+        # alone, a request's first use of the group may start with a catch-up (a draft model's
+        # prefill): see worth_catching_up
+        self.catch_up_rule = CatchUpRule()
 
     def worth_catching_up(self, catch_up: float, generated: int, tokens_left: int) -> bool:
         """Whether using the group now, when it must first catch up for ``catch_up`` seconds, pays
-        over what the request likely has left (as ``Controller`` decides for a drafter as a whole;
-        asked anyway after ``CATCH_UP_PATIENCE`` requests in a row that were not)."""
+        over what the request likely has left (``CatchUpRule``, on the rounds with the group
+        against those without)."""
         with_rate, without_rate = self.with_model.rate, self.without_model.rate
         known = with_rate is not None and without_rate is not None and self.with_model.judged
-        if catch_up <= 0.0 or not known or self._requests_not_caught_up >= CATCH_UP_PATIENCE:
-            return True
-        saving = 1.0 / without_rate - 1.0 / with_rate  # seconds per token
-        return catch_up_pays(catch_up, saving, generated, tokens_left, self.typical_length)
-
-    def used_now(self) -> None:
-        """The group runs this round (the request did use it)."""
-        self._used_in_request = True
+        saving = 1.0 / without_rate - 1.0 / with_rate if known else None  # seconds per token
+        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left)
 
     def copied(self) -> ModelGate:
         """A copy without the round in progress (a larger batch size starts from it)."""
@@ -332,7 +314,7 @@ class AutoDrafter(Drafter):
             part.drafter.start(ctx)
             part.draft = None
         for group in self.groups:
-            self.gate(1, group).start()
+            self.gate(1, group).catch_up_rule.start()
         # the last request may have ended on a drafted round, which was never observed
         self._proposed = False
         self._deciding, self._used = {}, {}
@@ -372,13 +354,14 @@ class AutoDrafter(Drafter):
         used = {group: gate.use() for group, gate in gates.items()}
         if ctx.rows == 1:  # alone, a group that must catch up first runs only where that pays
             for group, gate in gates.items():
-                parts = [p.drafter for p in self.parts if GATE_GROUPS.get(p.name) == group]
-                catch_up = sum(d.catch_up_estimate(ctx) for d in parts if hasattr(d, "catch_up_estimate"))
-                if used[group] and catch_up > 0.0:
+                if not used[group]:
+                    continue
+                catch_up = sum(p.drafter.catch_up_estimate(ctx) for p in self.parts if GATE_GROUPS.get(p.name) == group)
+                if catch_up > 0.0:
                     generated, left = len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1
                     used[group] = gate.worth_catching_up(catch_up, generated, left)
                 if used[group]:
-                    gate.used_now()
+                    gate.catch_up_rule.used()
         self._decide(gates, used)
         for part in self.parts:
             if not self._runs(part):
@@ -532,7 +515,7 @@ class AutoDrafter(Drafter):
             part.drafter.finish(ctx)
         if getattr(ctx, "rows", 1) == 1:
             for group in self.groups:
-                self.gate(1, group).finish(len(ctx.tokens) - ctx.prompt_length)
+                self.gate(1, group).catch_up_rule.finish(len(ctx.tokens) - ctx.prompt_length)
 
     def request_stats(self) -> dict:
         merged: dict = {}
