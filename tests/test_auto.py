@@ -242,7 +242,8 @@ def test_the_draft_model_and_heads_are_gated_apart():
 def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     """Alone, the draft model runs in a request only where what it saves per token, over the tokens
     the request likely has left, pays for its catch-up (its prefill of the prompt); the cheap
-    drafters still propose; after CATCH_UP_PATIENCE requests without it, one uses it anyway."""
+    drafters still propose; after CATCH_UP_PATIENCE requests without it, one uses it anyway (then
+    after twice as many)."""
     from types import SimpleNamespace
 
     from speculum.controller import CATCH_UP_PATIENCE
@@ -262,14 +263,16 @@ def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     assert drafter.propose(ctx).tokens == [5, 7]  # request lengths unknown: 200 tokens may be left
     drafter._proposed = False
     runs = []
-    for _ in range(2 * (CATCH_UP_PATIENCE + 1)):
+    for _ in range(3 * CATCH_UP_PATIENCE + 3):
         drafter.start(ctx)
         runs.append(drafter.propose(ctx).tokens == [5, 7])
         drafter._proposed = False
         drafter.finish(ctx)  # 10 tokens a request: 0.5 s of catch-up is more than 10 * saving
     assert 10 * saving < 0.5 < 200 * saving
-    # the first request's length was not known when it started
-    assert runs == [True] + [False] * CATCH_UP_PATIENCE + [True] + [False] * CATCH_UP_PATIENCE
+    # the first request's length was not known when it started; a probe that changed nothing
+    # doubles the wait for the next
+    probes = [False] * CATCH_UP_PATIENCE + [True] + [False] * (2 * CATCH_UP_PATIENCE) + [True]
+    assert runs == [True] + probes
 
 
 def test_a_groups_round_without_it_is_estimated_on_the_same_round():

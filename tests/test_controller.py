@@ -718,18 +718,46 @@ def test_a_catch_up_asking_would_not_win_back_is_skipped():
 
 def test_requests_that_skip_the_catch_up_ask_again_after_a_few():
     """What asking saves rests on rounds that may be stale: after CATCH_UP_PATIENCE requests in a
-    row that never asked because of the catch-up, the next one asks anyway and measures again."""
-    from speculum.controller import CATCH_UP_PATIENCE
+    row that never asked because of the catch-up, the next one asks anyway and measures again; a
+    probe that changed nothing doubles the wait (up to CATCH_UP_PATIENCE_MAX), a request that asks
+    on the evidence resets it."""
+    from speculum.controller import CATCH_UP_PATIENCE, CATCH_UP_PATIENCE_MAX
 
     controller = Controller(FLAT, carry_backoff=True)
     run_rounds(controller, 40, accepted_of=lambda i: 1 if i % 4 == 0 else 0, drafted=1, seconds=0.010,
                draft_seconds=0.001)  # fmt: skip
-    asked = []
-    for _ in range(2 * (CATCH_UP_PATIENCE + 1)):
-        controller.start()
-        asked.append(controller.wants_draft(catch_up=1.0, tokens_left=50))
-        controller.finish(50)
-    assert asked == ([False] * CATCH_UP_PATIENCE + [True]) * 2
+
+    def requests(count, catch_up=1.0):
+        asked = []
+        for _ in range(count):
+            controller.start()
+            asked.append(controller.wants_draft(catch_up=catch_up, tokens_left=50))
+            controller.finish(50)
+        return asked
+
+    waits = [CATCH_UP_PATIENCE, 2 * CATCH_UP_PATIENCE, 4 * CATCH_UP_PATIENCE, CATCH_UP_PATIENCE_MAX]
+    assert waits[-2] <= CATCH_UP_PATIENCE_MAX
+    asked = requests(sum(waits) + len(waits))
+    assert asked == [answer for wait in waits for answer in [False] * wait + [True]]
+    assert requests(1, catch_up=1e-6) == [True]  # a catch-up that pays: asked on the evidence
+    assert requests(CATCH_UP_PATIENCE + 1) == [False] * CATCH_UP_PATIENCE + [True]  # patience reset
+
+
+def test_a_long_request_among_short_ones_expects_to_run_on():
+    """The tokens a request likely has left: what is left of the typical length, and for one past
+    half of it, about as many as it has already run (capped by the tokens it may still give)."""
+    from speculum.controller import CatchUpRule
+
+    rule = CatchUpRule()
+    assert rule.likely_left(0, 100) == 100  # nothing known of request lengths
+    rule.finish(20)
+    assert rule.likely_left(0, 100) == 20
+    assert rule.likely_left(5, 100) == 15
+    assert rule.likely_left(10, 100) == 10
+    assert rule.likely_left(40, 100) == 40
+    assert rule.likely_left(40, 30) == 30
+    assert not rule.pays(1.0, saving=0.02, generated=5, tokens_left=100)  # 15 tokens left: 0.3 s
+    assert rule.pays(1.0, saving=0.02, generated=60, tokens_left=100)  # 60 more likely: 1.2 s
 
 
 def test_a_draft_model_learns_what_catching_up_costs_per_token():

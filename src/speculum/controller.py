@@ -71,8 +71,11 @@ EXPLORE_EVIDENCE = 8.0  # samples a bin needs before pruning its nodes is truste
 WINS_PER_HALVING = 3
 LENGTH_SMOOTHING = 0.3  # weight of the last finished request in the typical request length
 # requests in a row that may skip drafting because its catch-up would not pay, before one drafts
-# anyway and measures again what drafting gives (what that measurement rests on may be stale)
+# anyway and measures again what drafting gives (what that measurement rests on may be stale);
+# each such probe that leaves the verdict unchanged doubles the wait, up to CATCH_UP_PATIENCE_MAX
+# (issue #18: at T=1 on WMT16 a probe every 5 requests cost Ouroboros ~2% of the time)
 CATCH_UP_PATIENCE = 4
+CATCH_UP_PATIENCE_MAX = 16
 
 
 @dataclass
@@ -409,8 +412,8 @@ class Controller:
         for the catch-up asking starts with. Issue #18: a 0.5B draft's prefill of a prompt costs
         about two plain steps of the 1.5B target, and at T=1 drafting saves a few percent of a step
         per token: on translations of 10-30 tokens it was lost before it was won back (draft_model
-        0.91x plain on WMT16). Unknown goodput, or ``CATCH_UP_PATIENCE`` requests in a row that
-        never drafted: ask (what asking gives is measured again)."""
+        0.91x plain on WMT16). Unknown goodput, or the rule's patience run out: ask (what asking
+        gives is measured again)."""
         rate = self.asked.rate
         saving = 1.0 / self.plain_rate() - 1.0 / rate if rate is not None and self.asked.judged else None
         return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left)
@@ -632,17 +635,22 @@ class CatchUpRule:
     """Whether a request's first use of a drafter that must first catch up (a draft model's
     prefill of the prompt) pays: what using it saves per token, over the tokens the request likely
     has left, against the catch-up's seconds. It keeps how long requests run (a moving average of
-    the finished ones' new tokens) and how many requests in a row went without; after
-    ``CATCH_UP_PATIENCE`` of them the next one uses it anyway, so what the saving rests on is
-    measured again. The controller keeps one for its drafter, ``auto`` one per costly group."""
+    the finished ones' new tokens) and how many requests in a row went without; after ``patience``
+    of them (``CATCH_UP_PATIENCE`` at first) the next one uses it anyway, so what the saving rests
+    on is measured again. A probe after which the next request still goes without doubles the
+    patience (to ``CATCH_UP_PATIENCE_MAX``), so probes that keep confirming the verdict cost a
+    shrinking share of the time; a request that uses it on the evidence resets it. The controller
+    keeps one for its drafter, ``auto`` one per costly group."""
 
     def __init__(self) -> None:
         self.typical_length: float | None = None
+        self.patience = CATCH_UP_PATIENCE
         self._used = False  # in the request in flight
+        self._probe = False  # the request in flight uses it only because patience ran out
         self._without = 0  # requests in a row that never used it
 
     def start(self) -> None:
-        self._used = False
+        self._used = self._probe = False
 
     def used(self) -> None:
         self._used = True
@@ -650,19 +658,31 @@ class CatchUpRule:
     def finish(self, new_tokens: int) -> None:
         known = self.typical_length
         self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
-        self._without = 0 if self._used else self._without + 1
+        if not self._used:
+            self._without += 1
+            return
+        self._without = 0
+        self.patience = min(2 * self.patience, CATCH_UP_PATIENCE_MAX) if self._probe else CATCH_UP_PATIENCE
+
+    def likely_left(self, generated: int, tokens_left: int) -> float:
+        """The tokens a request ``generated`` tokens in likely has left, at most ``tokens_left``:
+        what is left of the typical length, or, for a request already past half of it, about as
+        many as it has run so far (a request of 55 tokens among translations of 27 is a long one;
+        cut to half the typical length, it had never started drafting)."""
+        if self.typical_length is None:
+            return float(tokens_left)
+        return min(float(tokens_left), max(self.typical_length - generated, float(generated)))
 
     def pays(self, catch_up: float, saving: float | None, generated: int, tokens_left: int) -> bool:
         """Whether saving ``saving`` seconds per token (None: not known yet) pays for ``catch_up``
-        seconds now, ``generated`` tokens into a request: over at most ``tokens_left`` tokens, and,
-        once it is known how long requests run, what is left of that, or half of it for a request
-        already past it."""
-        if catch_up <= 0.0 or saving is None or self._without >= CATCH_UP_PATIENCE:
+        seconds now, ``generated`` tokens into a request that may give ``tokens_left`` more
+        (``likely_left``); or whether patience has run out."""
+        if catch_up <= 0.0 or saving is None or saving * self.likely_left(generated, tokens_left) > catch_up:
             return True
-        left = float(tokens_left)
-        if self.typical_length is not None:
-            left = min(left, max(self.typical_length - generated, self.typical_length / 2))
-        return saving * left > catch_up
+        if self._without >= self.patience:
+            self._probe = True
+            return True
+        return False
 
 
 def by_batch_size(learned: dict, rows: int, new):
