@@ -61,11 +61,12 @@ def test_machine_defaults_apply_on_cpu_as_a_whole_and_paper_preset_keeps_the_pub
 
 
 def test_sampled_requests_get_the_devices_sampled_setting_and_share_the_pools(spec, monkeypatch):
-    """Ouroboros' CPU setting differs at T > 0 (tuned at T=1): a sampled request runs a drafter built
-    with it, a greedy one the greedy setting's, both over one phrase pool; the seeded text is plain
-    sampling's either way."""
+    """Where a method's CPU setting differs at T > 0: a sampled request runs a drafter built with
+    it, a greedy one the greedy setting's, both over one phrase pool; the seeded text is plain
+    sampling's either way. (No setting differs on a CPU today: one is put in for the test.)"""
     from speculum.methods import SAMPLED_MACHINE_DEFAULTS
 
+    monkeypatch.setitem(SAMPLED_MACHINE_DEFAULTS, "cpu", {"ouroboros": {"length_policy": "fixed", "draft_guesses": 2}})
     config = speculum.SpeculativeConfig("ouroboros", num_phrase_candidates=2)  # (not a parameter of the setting)
     greedy, sampled = spec.drafter_for(config), spec.drafter_for(config, sampled=True)
     assert greedy is not sampled
