@@ -478,3 +478,21 @@ python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-latin
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
   --max-new-tokens 128 --seed 0 --out $OUT/i18/qwen-greedy-wmt-12 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+# eighteenth pass: a long request among short ones expects to run on; a probe that changes nothing doubles the
+# wait for the next. WMT16 at T=1 (40 prompts) and greedy (12); Ouroboros' confidence stop for greedy requests,
+# chosen on the tuning prompts (/tmp/mt101-105.jsonl as in the ninth pass, and MBPP 1-5), then checked on the
+# report sets (the old greedy setting spelled out beside it)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-wmt-40-p18 \
+  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-p18
+python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-p18
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
+  --max-new-tokens 128 --out $OUT/i18/qwen-greedy-wmt-12-p18 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
+  --limit 5 --max-new-tokens 64 --out $OUT/i18/ouro-greedy-policy-tuning --methods "autoregressive,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,length_policy=confidence,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-greedy-128-p18 \
+  --methods "autoregressive,hf_assisted,draft_model,ouroboros,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,prompt_lookup,anpd,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-greedy-128-p18
+python benchmarks/controller_bars.py $OUT/i18/qwen-greedy-128-p18/summary.json

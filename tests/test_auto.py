@@ -181,13 +181,21 @@ def test_auto_with_ouroboros_sees_its_chain_verified_and_runs_one_draft_model():
 
 
 def test_auto_options():
+    from speculum.drafters.auto import _sub_config
+
     assert Options().names() == ["anpd", "prompt_lookup", "medusa", "ctc", "ouroboros"]
     with pytest.raises(InvalidInputError):
         Options(num_speculative_tokens=0)
     with pytest.raises(InvalidInputError):
         Options(draft_depth=0)
+    for bad in (1.0, -0.1, "high", True):
+        with pytest.raises(InvalidInputError, match="draft_confidence"):
+            Options(draft_confidence=bad)
     r = Resources()
     assert AutoDrafter(Options(drafters="anpd"), r).names == ["anpd"]
+    # the draft model's stop reaches its part
+    part = _sub_config("ouroboros", Options(draft_confidence=0.4, draft_depth=4)).options("cpu")
+    assert part.confidence_threshold == 0.4 and part.num_speculative_tokens == 4
 
 
 def test_the_draft_models_sampled_chain_comes_first_and_takes_equal_tokens_in():

@@ -68,6 +68,9 @@ class Options:
     # the draft model's most tokens a round: it stops earlier on its own confidence, and the
     # controller verifies its chain as drafted (the standalone draft_model's machine default)
     draft_depth: int = 20
+    # the draft model's stop: it drafts on while its confidence in its next token is at least this
+    # (the standalone draft_model's machine default; Ouroboros alone stops at 0.4 within 4 tokens)
+    draft_confidence: float = 0.8
     max_backoff: int = 32  # the draft model is tried again within this many rounds after it stopped paying
     # Ouroboros' phrase pool kept from one request to the next (its component 4); a server that keeps
     # pools per request (no --share-pools) turns it off, as it does for the method alone
@@ -76,6 +79,9 @@ class Options:
     def __post_init__(self) -> None:
         ints = {"num_speculative_tokens": 1, "draft_depth": 1, "max_backoff": 1}
         check_options("auto", self, ints, ("reuse_history",))
+        confidence = self.draft_confidence
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence < 1.0:
+            raise InvalidInputError(f"auto: draft_confidence must be a number in [0, 1), got {confidence!r}")
         if self.drafters is not None:
             names = self.names()
             unknown = [n for n in names if n not in CANDIDATES]
@@ -112,7 +118,7 @@ def _sub_config(name: str, options: Options):
         "draft_model": {
             "num_speculative_tokens": draft_depth,
             "length_policy": "confidence",
-            "confidence_threshold": 0.8,
+            "confidence_threshold": options.draft_confidence,
         },
         # the same chain, its draft forwards also checking a pool phrase (the CPU setting's cheap
         # phrase drafting: no Jacobi window, the context's n-grams in the pool), and K pool
@@ -120,7 +126,7 @@ def _sub_config(name: str, options: Options):
         "ouroboros": {
             "num_speculative_tokens": draft_depth,
             "length_policy": "confidence",
-            "confidence_threshold": 0.8,
+            "confidence_threshold": options.draft_confidence,
             "window_size": 0,
             "draft_guesses": 1,
             "context_phrases": True,
@@ -287,7 +293,7 @@ class AutoDrafter(Drafter):
         # learned, the next one starts from, and the rows of a batch decide together
         self._gates = resources.shared.setdefault(
             ("auto.model_gates", tuple(self.names), options.num_speculative_tokens, options.draft_depth,
-             options.max_backoff), {},
+             options.draft_confidence, options.max_backoff), {},
         )  # fmt: skip
         self.groups = list(dict.fromkeys(GATE_GROUPS[n] for n in self.names if n in GATE_GROUPS))
         self._deciding: dict[str, ModelGate] = {}  # group -> the gate that decided this round
