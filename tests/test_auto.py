@@ -250,37 +250,40 @@ def test_the_draft_model_and_heads_are_gated_apart():
 def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     """Alone, the draft model runs in a request only where what it saves per token, over the tokens
     the request likely has left, pays for its catch-up (its prefill of the prompt); the cheap
-    drafters still propose; after CATCH_UP_PATIENCE requests without it, one uses it anyway (then
-    after twice as many)."""
+    drafters still propose; once the tokens decoded without it make a probe worth its cost, one
+    request uses it anyway."""
+    import math
     from types import SimpleNamespace
 
-    from speculum.controller import CATCH_UP_PATIENCE
+    from speculum.controller import CATCH_UP_PROBE_SHARE
     from speculum.drafters.auto import _Part
 
     drafter = AutoDrafter.__new__(AutoDrafter)
     drafter.options, drafter._gates = Options(), {}
     model = _Fixed(Draft([5], [-1]))
-    model.catch_up_estimate = lambda ctx: 0.5  # half a second of prefill first
+    catch_up = 0.045
+    model.catch_up_estimate = lambda ctx: catch_up  # seconds of prefill first
     drafter.parts = [_Part("draft_model", model), _Part("anpd", _Fixed(Draft([7], [-1])))]
     drafter.groups = ["draft model"]
     gate = drafter.gate(1, "draft model")
     for _ in range(10):  # rounds with the draft model: 2 tokens in 0.012 s; without it: 1 in 0.010 s
         gate._learn(True, 2.0, 0.012, 1, (1.0, 0.010, 1))
-    saving = 0.010 - 0.006  # seconds a token
+    saving, step = 0.010 - 0.006, 0.010  # seconds a token
     ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=200)
     assert drafter.propose(ctx).tokens == [5, 7]  # request lengths unknown: 200 tokens may be left
     drafter._proposed = False
+    assert 10 * saving < catch_up < 200 * saving  # 10 tokens a request: the catch-up does not pay
+    # a probe (the catch-up and a plain step) is due once this many tokens went without it
+    due = (catch_up + step) / (CATCH_UP_PROBE_SHARE * step)
+    without = math.ceil(due / 10) - 1  # requests of 10 tokens, the probing one's counted as it runs
     runs = []
-    for _ in range(3 * CATCH_UP_PATIENCE + 3):
+    for _ in range(1 + 2 * (without + 1)):
         drafter.start(ctx)
         runs.append(drafter.propose(ctx).tokens == [5, 7])
         drafter._proposed = False
-        drafter.finish(ctx)  # 10 tokens a request: 0.5 s of catch-up is more than 10 * saving
-    assert 10 * saving < 0.5 < 200 * saving
-    # the first request's length was not known when it started; a probe that changed nothing
-    # doubles the wait for the next
-    probes = [False] * CATCH_UP_PATIENCE + [True] + [False] * (2 * CATCH_UP_PATIENCE) + [True]
-    assert runs == [True] + probes
+        drafter.finish(ctx)
+    # the first request's length was not known when it started
+    assert runs == [True] + ([False] * without + [True]) * 2
 
 
 def test_a_groups_round_without_it_is_estimated_on_the_same_round():

@@ -716,31 +716,38 @@ def test_a_catch_up_asking_would_not_win_back_is_skipped():
     assert controller.wants_draft(catch_up=0.9 * saving * 10, tokens_left=100)
 
 
-def test_requests_that_skip_the_catch_up_ask_again_after_a_few():
-    """What asking saves rests on rounds that may be stale: after CATCH_UP_PATIENCE requests in a
-    row that never asked because of the catch-up, the next one asks anyway and measures again; a
-    probe that changed nothing doubles the wait (up to CATCH_UP_PATIENCE_MAX), a request that asks
-    on the evidence resets it."""
-    from speculum.controller import CATCH_UP_PATIENCE, CATCH_UP_PATIENCE_MAX
+def test_requests_that_skip_the_catch_up_probe_again_by_the_tokens_decoded_without():
+    """What asking saves rests on rounds that may be stale: once the tokens decoded without drafting
+    since it last ran are worth CATCH_UP_PROBE_SHARE of a probe (the catch-up and a plain step),
+    asking is tried again; long requests (a switch to code after chat) probe sooner than short
+    ones, within the request when it runs long enough."""
+    from speculum.controller import CATCH_UP_PROBE_SHARE, CatchUpRule
 
-    controller = Controller(FLAT, carry_backoff=True)
-    run_rounds(controller, 40, accepted_of=lambda i: 1 if i % 4 == 0 else 0, drafted=1, seconds=0.010,
-               draft_seconds=0.001)  # fmt: skip
+    rule = CatchUpRule()
+    step, catch_up, saving = 0.1, 0.3, -0.01  # drafting lost; a probe costs 4 plain steps
+    due = round(4 / CATCH_UP_PROBE_SHARE)  # tokens decoded without it that make a probe worth it
 
-    def requests(count, catch_up=1.0):
+    def requests(count, length):
         asked = []
         for _ in range(count):
-            controller.start()
-            asked.append(controller.wants_draft(catch_up=catch_up, tokens_left=50))
-            controller.finish(50)
+            rule.start()
+            asked.append(rule.pays(catch_up, saving, generated=0, tokens_left=length, step_seconds=step))
+            if asked[-1]:
+                rule.used()
+            rule.finish(length)
         return asked
 
-    waits = [CATCH_UP_PATIENCE, 2 * CATCH_UP_PATIENCE, 4 * CATCH_UP_PATIENCE, CATCH_UP_PATIENCE_MAX]
-    assert waits[-2] <= CATCH_UP_PATIENCE_MAX
-    asked = requests(sum(waits) + len(waits))
-    assert asked == [answer for wait in waits for answer in [False] * wait + [True]]
-    assert requests(1, catch_up=1e-6) == [True]  # a catch-up that pays: asked on the evidence
-    assert requests(CATCH_UP_PATIENCE + 1) == [False] * CATCH_UP_PATIENCE + [True]  # patience reset
+    short = due // 4 + 1  # the fifth request finds 4 short ones decoded without
+    assert requests(10, short) == [False, False, False, False, True] * 2
+    assert requests(3, due) == [False, True, False]  # long requests: every other one
+    # within a request: no probe at its start, one once it has run long enough without
+    rule = CatchUpRule()
+    rule.start()
+    assert not rule.pays(catch_up, saving, generated=0, tokens_left=4 * due, step_seconds=step)
+    assert rule.pays(catch_up, saving, generated=due, tokens_left=3 * due, step_seconds=step)
+    # unknown saving, or a saving that pays: asked at once
+    assert rule.pays(catch_up, None, generated=0, tokens_left=10, step_seconds=step)
+    assert rule.pays(catch_up, 0.1, generated=0, tokens_left=10, step_seconds=step)
 
 
 def test_a_long_request_among_short_ones_expects_to_run_on():
@@ -756,8 +763,8 @@ def test_a_long_request_among_short_ones_expects_to_run_on():
     assert rule.likely_left(10, 100) == 10
     assert rule.likely_left(40, 100) == 40
     assert rule.likely_left(40, 30) == 30
-    assert not rule.pays(1.0, saving=0.02, generated=5, tokens_left=100)  # 15 tokens left: 0.3 s
-    assert rule.pays(1.0, saving=0.02, generated=60, tokens_left=100)  # 60 more likely: 1.2 s
+    assert not rule.pays(1.0, saving=0.02, generated=5, tokens_left=100, step_seconds=0.1)  # 15 left: 0.3 s
+    assert rule.pays(1.0, saving=0.02, generated=60, tokens_left=100, step_seconds=0.1)  # 60 more likely: 1.2 s
 
 
 def test_a_draft_model_learns_what_catching_up_costs_per_token():

@@ -70,12 +70,12 @@ EXPLORE_EVIDENCE = 8.0  # samples a bin needs before pruning its nodes is truste
 # average for several rounds, and each of them is a verdict
 WINS_PER_HALVING = 3
 LENGTH_SMOOTHING = 0.3  # weight of the last finished request in the typical request length
-# requests in a row that may skip drafting because its catch-up would not pay, before one drafts
-# anyway and measures again what drafting gives (what that measurement rests on may be stale);
-# each such probe that leaves the verdict unchanged doubles the wait, up to CATCH_UP_PATIENCE_MAX
-# (issue #18: at T=1 on WMT16 a probe every 5 requests cost Ouroboros ~2% of the time)
-CATCH_UP_PATIENCE = 4
-CATCH_UP_PATIENCE_MAX = 16
+# a drafter whose catch-up (a draft model's prefill) would not pay on the evidence is tried again
+# once the tokens decoded without it since it last ran are worth this share of a probe's cost: the
+# catch-up and about one plain step of rounds that may lose. Counting tokens, not requests: after a
+# workload switch (chat, where drafting lost, then code) long requests probe within one or two of
+# them, where a count of requests had left 4 MBPP requests undrafted (issue #18, eighteenth pass)
+CATCH_UP_PROBE_SHARE = 0.02
 
 
 @dataclass
@@ -412,11 +412,11 @@ class Controller:
         for the catch-up asking starts with. Issue #18: a 0.5B draft's prefill of a prompt costs
         about two plain steps of the 1.5B target, and at T=1 drafting saves a few percent of a step
         per token: on translations of 10-30 tokens it was lost before it was won back (draft_model
-        0.91x plain on WMT16). Unknown goodput, or the rule's patience run out: ask (what asking
-        gives is measured again)."""
-        rate = self.asked.rate
-        saving = 1.0 / self.plain_rate() - 1.0 / rate if rate is not None and self.asked.judged else None
-        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left)
+        0.91x plain on WMT16). Unknown goodput, or a probe due: ask (what asking gives is measured
+        again)."""
+        rate, step = self.asked.rate, 1.0 / self.plain_rate()
+        saving = step - 1.0 / rate if rate is not None and self.asked.judged else None
+        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left, step)
 
     # ------------------------------------------------------------------ what to verify
 
@@ -635,22 +635,18 @@ class CatchUpRule:
     """Whether a request's first use of a drafter that must first catch up (a draft model's
     prefill of the prompt) pays: what using it saves per token, over the tokens the request likely
     has left, against the catch-up's seconds. It keeps how long requests run (a moving average of
-    the finished ones' new tokens) and how many requests in a row went without; after ``patience``
-    of them (``CATCH_UP_PATIENCE`` at first) the next one uses it anyway, so what the saving rests
-    on is measured again. A probe after which the next request still goes without doubles the
-    patience (to ``CATCH_UP_PATIENCE_MAX``), so probes that keep confirming the verdict cost a
-    shrinking share of the time; a request that uses it on the evidence resets it. The controller
-    keeps one for its drafter, ``auto`` one per costly group."""
+    the finished ones' new tokens) and the tokens decoded without it since it last ran; once a probe
+    (the catch-up and about a plain step more) costs at most ``CATCH_UP_PROBE_SHARE`` of those
+    tokens' time, the drafter runs anyway, so what the saving rests on is measured again. The
+    controller keeps one for its drafter, ``auto`` one per costly group."""
 
     def __init__(self) -> None:
         self.typical_length: float | None = None
-        self.patience = CATCH_UP_PATIENCE
         self._used = False  # in the request in flight
-        self._probe = False  # the request in flight uses it only because patience ran out
-        self._without = 0  # requests in a row that never used it
+        self._skipped = 0  # tokens of finished requests decoded without it since it last ran
 
     def start(self) -> None:
-        self._used = self._probe = False
+        self._used = False
 
     def used(self) -> None:
         self._used = True
@@ -658,11 +654,7 @@ class CatchUpRule:
     def finish(self, new_tokens: int) -> None:
         known = self.typical_length
         self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
-        if not self._used:
-            self._without += 1
-            return
-        self._without = 0
-        self.patience = min(2 * self.patience, CATCH_UP_PATIENCE_MAX) if self._probe else CATCH_UP_PATIENCE
+        self._skipped = 0 if self._used else self._skipped + new_tokens
 
     def likely_left(self, generated: int, tokens_left: int) -> float:
         """The tokens a request ``generated`` tokens in likely has left, at most ``tokens_left``:
@@ -673,16 +665,16 @@ class CatchUpRule:
             return float(tokens_left)
         return min(float(tokens_left), max(self.typical_length - generated, float(generated)))
 
-    def pays(self, catch_up: float, saving: float | None, generated: int, tokens_left: int) -> bool:
+    def pays(
+        self, catch_up: float, saving: float | None, generated: int, tokens_left: int, step_seconds: float
+    ) -> bool:
         """Whether saving ``saving`` seconds per token (None: not known yet) pays for ``catch_up``
         seconds now, ``generated`` tokens into a request that may give ``tokens_left`` more
-        (``likely_left``); or whether patience has run out."""
+        (``likely_left``); or whether a probe is due, a plain step taking ``step_seconds``."""
         if catch_up <= 0.0 or saving is None or saving * self.likely_left(generated, tokens_left) > catch_up:
             return True
-        if self._without >= self.patience:
-            self._probe = True
-            return True
-        return False
+        skipped = self._skipped + (0 if self._used else generated)
+        return catch_up + step_seconds <= CATCH_UP_PROBE_SHARE * skipped * step_seconds
 
 
 def by_batch_size(learned: dict, rows: int, new):

@@ -184,7 +184,8 @@ class ModelGate:
         with_rate, without_rate = self.with_model.rate, self.without_model.rate
         known = with_rate is not None and without_rate is not None and self.with_model.judged
         saving = 1.0 / without_rate - 1.0 / with_rate if known else None  # seconds per token
-        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left)
+        step = 1.0 / without_rate if known else 0.0
+        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left, step)
 
     def copied(self) -> ModelGate:
         """A copy without the round in progress (a larger batch size starts from it)."""
