@@ -501,3 +501,6 @@ python benchmarks/controller_bars.py $OUT/i18/qwen-greedy-128-p18/summary.json
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
   --limit 5 --max-new-tokens 64 --out $OUT/i18/auto-stop-tuning \
   --methods "autoregressive,ouroboros,auto,auto:draft_confidence=0.4,auto:draft_confidence=0.4,draft_depth=4"
+# ... the token-based probes timed on the same tuning prompts
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
+  --limit 5 --max-new-tokens 64 --out $OUT/i18/probes-tuning --methods "autoregressive,ouroboros,draft_model,auto"
