@@ -489,8 +489,7 @@ python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-p18
 python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-p18
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
   --max-new-tokens 128 --out $OUT/i18/qwen-greedy-wmt-12-p18 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
-speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
-  --limit 5 --max-new-tokens 64 --out $OUT/i18/ouro-greedy-policy-tuning --methods "autoregressive,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,length_policy=confidence,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence"
+speculum bench $TUNE --out $OUT/i18/ouro-greedy-policy-tuning --methods "autoregressive,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,length_policy=confidence,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence"
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
   --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-greedy-128-p18 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,prompt_lookup,anpd,auto"
@@ -498,9 +497,7 @@ python benchmarks/round_breakdown.py $OUT/i18/qwen-greedy-128-p18
 python benchmarks/controller_bars.py $OUT/i18/qwen-greedy-128-p18/summary.json
 # ... auto's draft-model stop on the tuning prompts (this run also showed the probes starving Ouroboros after
 # a switch from chat to code: probes now come by tokens decoded without drafting, not by requests)
-speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
-  --limit 5 --max-new-tokens 64 --out $OUT/i18/auto-stop-tuning \
+speculum bench $TUNE --out $OUT/i18/auto-stop-tuning \
   --methods "autoregressive,ouroboros,auto,auto:draft_confidence=0.4,auto:draft_confidence=0.4,draft_depth=4"
 # ... the token-based probes timed on the same tuning prompts
-speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp \
-  --limit 5 --max-new-tokens 64 --out $OUT/i18/probes-tuning --methods "autoregressive,ouroboros,draft_model,auto"
+speculum bench $TUNE --out $OUT/i18/probes-tuning --methods "autoregressive,ouroboros,draft_model,auto"
