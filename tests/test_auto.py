@@ -239,7 +239,7 @@ def test_the_draft_model_and_heads_are_gated_apart():
     drafter.groups = ["heads", "draft model"]
     assert drafter.gate(1, "heads") is not drafter.gate(1, "draft model")
     assert drafter.gate(1) is drafter.gate(1, "heads")  # the first group, by default
-    ctx = SimpleNamespace(rows=1)
+    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8)
     assert drafter.propose(ctx).tokens == [5, 7, 6]  # every group runs while nothing says otherwise
     drafter.gate(1, "heads")._skip = 10_000  # the heads stopped paying
     assert drafter.propose(ctx).tokens == [5, 7]

@@ -733,7 +733,7 @@ def test_requests_that_skip_the_catch_up_probe_again_by_the_tokens_decoded_witho
             rule.start()
             asked.append(rule.pays(catch_up, saving, generated=0, tokens_left=length, step_seconds=step))
             if asked[-1]:
-                rule.used()
+                rule.used(generated=length)  # it drafted to the end
             rule.finish(length)
         return asked
 
@@ -745,6 +745,13 @@ def test_requests_that_skip_the_catch_up_probe_again_by_the_tokens_decoded_witho
     rule.start()
     assert not rule.pays(catch_up, saving, generated=0, tokens_left=4 * due, step_seconds=step)
     assert rule.pays(catch_up, saving, generated=due, tokens_left=3 * due, step_seconds=step)
+    # a request that drafted, then stopped (its backlog to catch up): the tokens since it last ran
+    rule.used(generated=due)
+    assert not rule.pays(catch_up, saving, generated=2 * due - 1, tokens_left=2 * due, step_seconds=step)
+    assert rule.pays(catch_up, saving, generated=2 * due, tokens_left=2 * due, step_seconds=step)
+    rule.finish(2 * due + 10)  # they carry to the next request
+    rule.start()
+    assert rule.decoded_without(0) == due + 10
     # unknown saving, or a saving that pays: asked at once
     assert rule.pays(catch_up, None, generated=0, tokens_left=10, step_seconds=step)
     assert rule.pays(catch_up, 0.1, generated=0, tokens_left=10, step_seconds=step)

@@ -404,7 +404,7 @@ class Controller:
             return False  # a plain round that measures what plain decoding costs now
         if catch_up > 0.0 and not self._catch_up_pays(catch_up, generated, tokens_left):
             return False
-        self.catch_up_rule.used()
+        self.catch_up_rule.used(generated)
         return True
 
     def _catch_up_pays(self, catch_up: float, generated: int, tokens_left: int) -> bool:
@@ -632,29 +632,40 @@ class Controller:
 
 
 class CatchUpRule:
-    """Whether a request's first use of a drafter that must first catch up (a draft model's
-    prefill of the prompt) pays: what using it saves per token, over the tokens the request likely
-    has left, against the catch-up's seconds. It keeps how long requests run (a moving average of
-    the finished ones' new tokens) and the tokens decoded without it since it last ran; once a probe
-    (the catch-up and about a plain step more) costs at most ``CATCH_UP_PROBE_SHARE`` of those
-    tokens' time, the drafter runs anyway, so what the saving rests on is measured again. The
-    controller keeps one for its drafter, ``auto`` one per costly group."""
+    """Whether using a drafter that must first catch up (a draft model's prefill of the prompt at a
+    request's first use, or of the tokens decoded since it last ran) pays: what using it saves per
+    token, over the tokens the request likely has left, against the catch-up's seconds. It keeps
+    how long requests run (a moving average of the finished ones' new tokens) and the tokens
+    decoded without it since it last ran; once a probe (the catch-up and about a plain step more)
+    costs at most ``CATCH_UP_PROBE_SHARE`` of those tokens' time, the drafter runs anyway, so what
+    the saving rests on is measured again. The controller keeps one for its drafter, ``auto`` one
+    per costly group."""
 
     def __init__(self) -> None:
         self.typical_length: float | None = None
-        self._used = False  # in the request in flight
+        self._used_at: int | None = None  # tokens generated when it last ran in the request in flight
         self._skipped = 0  # tokens of finished requests decoded without it since it last ran
 
     def start(self) -> None:
-        self._used = False
+        self._used_at = None
 
-    def used(self) -> None:
-        self._used = True
+    def used(self, generated: int = 0) -> None:
+        """It runs ``generated`` tokens into the request in flight."""
+        self._used_at = generated
 
     def finish(self, new_tokens: int) -> None:
         known = self.typical_length
         self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
-        self._skipped = 0 if self._used else self._skipped + new_tokens
+        self._skipped = self.decoded_without(new_tokens)
+
+    def decoded_without(self, generated: int) -> int:
+        """The tokens decoded without it since it last ran, ``generated`` tokens into the request in
+        flight. Within a request too: one that drafted and then stopped paying has a backlog to catch
+        up, and counting only finished requests had vetoed every probe of the back-off until the
+        request ended (54 plain rounds in an MT-bench request, issue #18, eighteenth pass)."""
+        if self._used_at is None:
+            return self._skipped + generated
+        return max(generated - self._used_at, 0)
 
     def likely_left(self, generated: int, tokens_left: int) -> float:
         """The tokens a request ``generated`` tokens in likely has left, at most ``tokens_left``:
@@ -673,8 +684,7 @@ class CatchUpRule:
         (``likely_left``); or whether a probe is due, a plain step taking ``step_seconds``."""
         if catch_up <= 0.0 or saving is None or saving * self.likely_left(generated, tokens_left) > catch_up:
             return True
-        skipped = self._skipped + (0 if self._used else generated)
-        return catch_up + step_seconds <= CATCH_UP_PROBE_SHARE * skipped * step_seconds
+        return catch_up + step_seconds <= CATCH_UP_PROBE_SHARE * self.decoded_without(generated) * step_seconds
 
 
 def by_batch_size(learned: dict, rows: int, new):

@@ -360,15 +360,15 @@ class AutoDrafter(Drafter):
         gates = {group: self.gate(ctx.rows, group) for group in self.groups}
         used = {group: gate.use() for group, gate in gates.items()}
         if ctx.rows == 1:  # alone, a group that must catch up first runs only where that pays
+            generated, left = len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1
             for group, gate in gates.items():
                 if not used[group]:
                     continue
                 catch_up = sum(p.drafter.catch_up_estimate(ctx) for p in self.parts if GATE_GROUPS.get(p.name) == group)
                 if catch_up > 0.0:
-                    generated, left = len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1
                     used[group] = gate.worth_catching_up(catch_up, generated, left)
                 if used[group]:
-                    gate.catch_up_rule.used()
+                    gate.catch_up_rule.used(generated)
         self._decide(gates, used)
         for part in self.parts:
             if not self._runs(part):
