@@ -746,9 +746,16 @@ def test_requests_that_skip_the_catch_up_probe_again_by_the_tokens_decoded_witho
     assert not rule.pays(catch_up, saving, generated=0, tokens_left=4 * due, step_seconds=step)
     assert rule.pays(catch_up, saving, generated=due, tokens_left=3 * due, step_seconds=step)
     # a request that drafted, then stopped (its backlog to catch up): the tokens since it last ran
+    # count, and the probe round is the back-off's, so only the catch-up weighs
     rule.used(generated=due)
-    assert not rule.pays(catch_up, saving, generated=2 * due - 1, tokens_left=2 * due, step_seconds=step)
-    assert rule.pays(catch_up, saving, generated=2 * due, tokens_left=2 * due, step_seconds=step)
+    within = round(catch_up / step / CATCH_UP_PROBE_SHARE)  # 3 plain steps of catch-up: 150 tokens
+    assert within < due
+    assert not rule.pays(catch_up, saving, generated=due + within - 1, tokens_left=2 * due, step_seconds=step)
+    assert rule.pays(catch_up, saving, generated=due + within, tokens_left=2 * due, step_seconds=step)
+    # a backlog that grows at under the share of a plain step per token is always let through
+    for without in (1, 10, 100):
+        assert rule.pays(0.01 * step * without, saving, due + without, 2 * due, step)
+        assert not rule.pays(0.03 * step * without, saving, due + without, 2 * due, step)
     rule.finish(2 * due + 10)  # they carry to the next request
     rule.start()
     assert rule.decoded_without(0) == due + 10

@@ -684,7 +684,12 @@ class CatchUpRule:
         (``likely_left``); or whether a probe is due, a plain step taking ``step_seconds``."""
         if catch_up <= 0.0 or saving is None or saving * self.likely_left(generated, tokens_left) > catch_up:
             return True
-        return catch_up + step_seconds <= CATCH_UP_PROBE_SHARE * self.decoded_without(generated) * step_seconds
+        # within a request that drafted, the round is the back-off's probe, which budgets its own
+        # rounds: only the catch-up is this rule's to weigh. Both it and the tokens decoded without
+        # grow with the wait, so a draft catching up for under the share of a plain step per token
+        # is let through; counting the step too, one never was (issue #18, nineteenth pass)
+        probe = catch_up + (step_seconds if self._used_at is None else 0.0)
+        return probe <= CATCH_UP_PROBE_SHARE * self.decoded_without(generated) * step_seconds
 
 
 def by_batch_size(learned: dict, rows: int, new):
