@@ -501,3 +501,18 @@ speculum bench $TUNE --out $OUT/i18/auto-stop-tuning \
   --methods "autoregressive,ouroboros,auto,auto:draft_confidence=0.4,auto:draft_confidence=0.4,draft_depth=4"
 # ... the token-based probes timed on the same tuning prompts
 speculum bench $TUNE --out $OUT/i18/probes-tuning --methods "autoregressive,ouroboros,draft_model,auto"
+# nineteenth pass: the tokens without drafting counted within a request too (a request that drafted, then stopped,
+# probes again); timed on the tuning prompts, then the Qwen pair's report sets greedy at 128 tokens
+speculum bench $TUNE --out $OUT/i18/tuning-p19 --methods "autoregressive,ouroboros,draft_model,auto"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-p19
+speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128-p19 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-greedy-128-p19
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128-p19/summary.json
+speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128-p19 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-t1-128-p19
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128-p19/summary.json
+# ... then, within a request that drafted, only the catch-up weighs a back-off probe (the round is the back-off's):
+# timed on the tuning prompts
+speculum bench $TUNE --out $OUT/i18/tuning-p19b --methods "autoregressive,ouroboros,draft_model,auto"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-p19b
