@@ -516,3 +516,5 @@ python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128-p19/summary.json
 # timed on the tuning prompts
 speculum bench $TUNE --out $OUT/i18/tuning-p19b --methods "autoregressive,ouroboros,draft_model,auto"
 python benchmarks/round_breakdown.py $OUT/i18/tuning-p19b
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/mtbench-greedy-p19b --methods "autoregressive,draft_model,ouroboros,auto"
