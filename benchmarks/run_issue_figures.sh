@@ -469,11 +469,15 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-mt-8 \
   --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
 python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-mt-8
-speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
-  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-wmt-40-latin \
-  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-latin
-python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-latin
+# 40 WMT16 translations at T=1 with an A/A row, then where the time went and what order did
+wmt40_t1() {
+  speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
+    --max-new-tokens 128 --temperature 1 --seed 0 --out "$1" \
+    --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+  python benchmarks/round_breakdown.py "$1"
+  python benchmarks/order_effects.py "$1"
+}
+wmt40_t1 $OUT/i18/qwen-t1-wmt-40-latin
 # ... and greedy, 12 WMT16 translations: the prefill rule against greedy drafting
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
   --max-new-tokens 128 --seed 0 --out $OUT/i18/qwen-greedy-wmt-12 \
@@ -482,11 +486,7 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 # wait for the next. WMT16 at T=1 (40 prompts) and greedy (12); Ouroboros' confidence stop for greedy requests,
 # chosen on the tuning prompts (/tmp/mt101-105.jsonl as in the ninth pass, and MBPP 1-5), then checked on the
 # report sets (the old greedy setting spelled out beside it)
-speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 40 \
-  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-t1-wmt-40-p18 \
-  --methods "autoregressive,autoregressive:controller=false,hf_generate,hf_assisted,draft_model,ouroboros,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-t1-wmt-40-p18
-python benchmarks/order_effects.py $OUT/i18/qwen-t1-wmt-40-p18
+wmt40_t1 $OUT/i18/qwen-t1-wmt-40-p18
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 12 \
   --max-new-tokens 128 --out $OUT/i18/qwen-greedy-wmt-12-p18 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
 speculum bench $TUNE --out $OUT/i18/ouro-greedy-policy-tuning --methods "autoregressive,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=2,context_phrases=true,length_policy=confidence,ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence"
