@@ -768,3 +768,47 @@ def test_extra_data_files_are_appended_with_their_texts_kept_apart(speculum_llam
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(InvalidInputError, match="not a readable data file"):
         append_data(speculum_llama, own, [tmp_path / "junk.safetensors"])
+
+
+def test_an_interrupted_data_pass_resumes_after_its_last_saved_part(speculum_llama, tmp_path, monkeypatch):
+    """The data pass is saved in parts as it goes: after an interruption no whole file exists, the
+    next run makes only the sequences after the last saved part, its data equals an uninterrupted
+    run's, and the parts go once the whole file is written. Parts made for other inputs are not used."""
+    import shutil
+
+    from speculum.training import draft_heads
+    from speculum.training.draft_heads import DATA_COLUMNS, DistillSettings, PartialData, load_or_make_data
+    from speculum.training.texts import TrainingText
+
+    texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5, 7, 4, 8, 6)]
+    settings = DistillSettings(max_tokens=64)
+    monkeypatch.setattr(draft_heads, "PART_TEXTS", 2)
+    whole, _ = load_or_make_data(speculum_llama, texts, settings, tmp_path / "clean" / "d.st", progress=False)
+
+    body = speculum_llama.model.model  # the decoder both of the data pass's paths run (with or without the head)
+    forward, calls = body.forward, []
+
+    def counted(*args, interrupt_at=None, **kwargs):
+        calls.append(1)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    cache = tmp_path / "run" / "d.st"
+    monkeypatch.setattr(body, "forward", lambda *a, **k: counted(*a, interrupt_at=6, **k))
+    with pytest.raises(KeyboardInterrupt):  # in the sixth sequence: sequences 0-1 and 2-3 saved, 4 lost
+        load_or_make_data(speculum_llama, texts, settings, cache, progress=False)
+    folder = tmp_path / "run" / "d.st.parts"
+    assert not cache.exists() and len(list(folder.glob("part-*.safetensors"))) == 2
+
+    shutil.copytree(folder, tmp_path / "stale")  # the same parts offered to other inputs: removed, not used
+    stop, columns = PartialData(tmp_path / "stale", "another key").load()
+    assert stop == 0 and columns["label"] == [] and not list((tmp_path / "stale").iterdir())
+
+    calls.clear()
+    monkeypatch.setattr(body, "forward", lambda *a, **k: counted(*a, **k))
+    data, cached = load_or_make_data(speculum_llama, texts, settings, cache, progress=False)
+    assert not cached and len(calls) == 3  # sequences 4, 5 and 6 only
+    for name in DATA_COLUMNS:
+        assert torch.equal(data[name], whole[name]), name
+    assert cache.exists() and not folder.exists()

@@ -16,6 +16,8 @@ of sequence:
   completion), written to ``continuations.jsonl`` after every batch: an interrupted run resumes
   where it stopped.
 The data is cached in the output directory and remade only when its inputs change (or when asked).
+The data pass itself is saved in parts as it goes (``distill_data.safetensors.parts``): an
+interrupted pass resumes after the last part instead of starting over.
 
 Examples: every response position t is a root (the token the loop has just committed). Medusa
 head k reads the hidden state at t-1 and learns the label at t+k-1 (cross-entropy, head weights
@@ -35,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,37 +147,106 @@ def sequences(spec, texts: list[TrainingText], settings: DistillSettings, progre
     return laid_out
 
 
+class PartialData:
+    """An unfinished data pass, saved as it goes: every ``PART_TEXTS`` sequences a part file (written
+    whole or not at all, keyed by the data's inputs) in ``folder``, beside the data file. An
+    interrupted pass resumes after the last part; the folder goes once the whole data file is written."""
+
+    def __init__(self, folder: Path, key: str):
+        self.folder, self.key = folder, key
+
+    def load(self) -> tuple[int, dict[str, list[torch.Tensor]]]:
+        """The first sequence not saved yet and the saved columns (parts made for other inputs are removed)."""
+        from safetensors import safe_open
+
+        columns: dict[str, list[torch.Tensor]] = {name: [] for name in DATA_COLUMNS}
+        stop = 0
+        for path in sorted(self.folder.glob("part-*.safetensors")) if self.folder.is_dir() else []:
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("key") != self.key:
+                        path.unlink()
+                        continue
+                    if int(meta["first"]) != stop:  # parts follow one another; a gap ends what can be reused
+                        break
+                    part = {name: f.get_tensor(name) for name in DATA_COLUMNS}
+            except Exception:  # noqa: BLE001 - an unreadable part is made again
+                break
+            for name in DATA_COLUMNS:
+                columns[name].append(part[name])
+            stop = int(meta["stop"])
+        return stop, columns
+
+    def save(self, first: int, stop: int, columns: dict[str, list[torch.Tensor]]) -> None:
+        """Sequences ``first`` to ``stop`` (their rows: ``columns``) as one part."""
+        from safetensors.torch import save
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = {name: torch.cat(parts) for name, parts in columns.items()}
+        blob = save(data, metadata={"key": self.key, "first": str(first), "stop": str(stop)})
+        path = self.folder / f"part-{first:07d}.safetensors"
+        write_atomic(path, blob, what="training data part", error=CheckpointError)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+PART_TEXTS = 32  # sequences per saved part of a data pass (about a minute of the Qwen 1.5B target's time)
+
+
 @torch.inference_mode()
 def make_data(
-    spec, texts: list[TrainingText], settings: DistillSettings, progress: bool = True, cache: Path | None = None
+    spec,
+    texts: list[TrainingText],
+    settings: DistillSettings,
+    progress: bool = True,
+    cache: Path | None = None,
+    partial: PartialData | None = None,
 ) -> dict:
     """``hidden`` [N, H] float16, ``label`` [N] (the target's argmax after each position), ``token`` [N]
     (the input token), ``text`` [N] (which sequence), ``source`` [N] (which training text it comes
     from: a text and the target's continuation of its prompt share one, and the validation split),
-    ``response`` [N] (inside the response part)."""
+    ``response`` [N] (inside the response part). With ``partial``, the pass is saved as it goes and
+    resumes where an interrupted one stopped."""
     from tqdm.auto import tqdm
 
     runner = ModelRunner(spec.model, lazy_head=False)
-    columns: dict[str, list[torch.Tensor]] = {name: [] for name in DATA_COLUMNS}
     laid_out = sequences(spec, texts, settings, progress, cache)
-    bar = tqdm(laid_out, desc="distillation data", unit="text", disable=not progress)
-    for index, (ids, start, source) in enumerate(bar):
-        if len(ids) - start < 2:
-            continue
-        inputs = torch.tensor([ids], device=runner.input_device)
-        if runner.split_head:  # the LM head in slices: a 262k-wide head over 512 rows is 0.5 GB of logits
-            states = spec.model.model(input_ids=inputs, use_cache=False).last_hidden_state[0]
-            labels = torch.cat([runner._head(chunk).argmax(-1) for chunk in states.split(64)])
-        else:
-            out = spec.model(input_ids=inputs, use_cache=False, output_hidden_states=True)
-            states, labels = out.hidden_states[-1][0], out.logits[0].argmax(-1)
-        n = len(ids)
-        columns["hidden"].append(states.to("cpu", torch.float16))
-        columns["label"].append(labels.cpu().long())
-        columns["token"].append(torch.tensor(ids))
-        columns["text"].append(torch.full((n,), index, dtype=torch.int32))
-        columns["source"].append(torch.full((n,), source, dtype=torch.int32))
-        columns["response"].append(torch.arange(n) >= start)
+    resume_at, columns = partial.load() if partial is not None else (0, {name: [] for name in DATA_COLUMNS})
+    # where the part being made starts: a sequence, and an entry of the column lists
+    unsaved_from, unsaved_entries = resume_at, len(columns["label"])
+    bar = tqdm(total=len(laid_out), initial=resume_at, desc="distillation data", unit="text", disable=not progress)
+    try:
+        for index in range(resume_at, len(laid_out)):
+            ids, start, source = laid_out[index]
+            bar.update(1)
+            if partial is not None and index - unsaved_from >= PART_TEXTS and len(columns["label"]) > unsaved_entries:
+                partial.save(unsaved_from, index, {name: parts[unsaved_entries:] for name, parts in columns.items()})
+                unsaved_from, unsaved_entries = index, len(columns["label"])
+            if len(ids) - start < 2:
+                continue
+            inputs = torch.tensor([ids], device=runner.input_device)
+            if runner.split_head:  # the LM head in slices: a 262k-wide head over 512 rows is 0.5 GB of logits
+                states = spec.model.model(input_ids=inputs, use_cache=False).last_hidden_state[0]
+                labels = torch.cat([runner._head(chunk).argmax(-1) for chunk in states.split(64)])
+            else:
+                out = spec.model(input_ids=inputs, use_cache=False, output_hidden_states=True)
+                states, labels = out.hidden_states[-1][0], out.logits[0].argmax(-1)
+            n = len(ids)
+            columns["hidden"].append(states.to("cpu", torch.float16))
+            columns["label"].append(labels.cpu().long())
+            columns["token"].append(torch.tensor(ids))
+            columns["text"].append(torch.full((n,), index, dtype=torch.int32))
+            columns["source"].append(torch.full((n,), source, dtype=torch.int32))
+            columns["response"].append(torch.arange(n) >= start)
+    except KeyboardInterrupt:
+        if partial is not None and unsaved_from > 0:
+            bar.write(f"interrupted: sequences 1-{unsaved_from} of {len(laid_out)} are saved in {partial.folder}; "
+                      "the same command resumes after them")  # fmt: skip
+        raise
+    finally:
+        bar.close()
     if not columns["label"]:
         raise InvalidInputError("the training texts gave no response positions (too short?)")
     return {name: torch.cat(parts) for name, parts in columns.items()}
@@ -195,14 +267,19 @@ def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regen
     continuations from the ``CONTINUATIONS_FILE`` beside it, as far as they go: ``regenerate`` makes
     those again too)."""
     continued = cache.with_name(CONTINUATIONS_FILE)
-    if regenerate and continued.exists():
-        continued.unlink()
+    key = data_key(spec, texts, settings)
+    partial = PartialData(cache.with_name(cache.name + ".parts"), key)
+    if regenerate:
+        continued.unlink(missing_ok=True)
+        partial.remove()
 
     def make():
         cache.parent.mkdir(parents=True, exist_ok=True)
-        return make_data(spec, texts, settings, progress, continued)
+        return make_data(spec, texts, settings, progress, continued, partial)
 
-    return cached_tensors(cache, data_key(spec, texts, settings), make, regenerate)
+    data, cached = cached_tensors(cache, key, make, regenerate)
+    partial.remove()  # the whole file is written: its parts are not needed any more
+    return data, cached
 
 
 DATA_COLUMNS = ("hidden", "label", "token", "text", "source", "response")
