@@ -518,3 +518,11 @@ speculum bench $TUNE --out $OUT/i18/tuning-p19b --methods "autoregressive,ourobo
 python benchmarks/round_breakdown.py $OUT/i18/tuning-p19b
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/mtbench-greedy-p19b --methods "autoregressive,draft_model,ouroboros,auto"
+# twentieth pass: the Qwen pair's report sets again with both catch-up changes, greedy and at T=1
+speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128-p20 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-greedy-128-p20
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128-p20/summary.json
+speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128-p20 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-t1-128-p20
+python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128-p20/summary.json
