@@ -505,13 +505,18 @@ speculum bench $TUNE --out $OUT/i18/probes-tuning --methods "autoregressive,ouro
 # probes again); timed on the tuning prompts, then the Qwen pair's report sets greedy at 128 tokens
 speculum bench $TUNE --out $OUT/i18/tuning-p19 --methods "autoregressive,ouroboros,draft_model,auto"
 python benchmarks/round_breakdown.py $OUT/i18/tuning-p19
-speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128-p19 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-greedy-128-p19
-python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128-p19/summary.json
-speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128-p19 \
-  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-t1-128-p19
-python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128-p19/summary.json
+# the Qwen pair's report sets, greedy then at T=1 (seed 0), with the round breakdown and the bars: qwen_report_sets PASS
+qwen_report_sets() {
+  local greedy=$OUT/i18/qwen-bf16-greedy-128-$1 t1=$OUT/i18/qwen-bf16-t1-128-$1
+  speculum bench $Q13 --out $greedy --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+  python benchmarks/round_breakdown.py $greedy
+  python benchmarks/controller_bars.py $greedy/summary.json
+  speculum bench $Q13 --temperature 1 --seed 0 --out $t1 \
+    --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
+  python benchmarks/round_breakdown.py $t1
+  python benchmarks/controller_bars.py $t1/summary.json
+}
+qwen_report_sets p19
 # ... then, within a request that drafted, only the catch-up weighs a back-off probe (the round is the back-off's):
 # timed on the tuning prompts
 speculum bench $TUNE --out $OUT/i18/tuning-p19b --methods "autoregressive,ouroboros,draft_model,auto"
@@ -519,10 +524,4 @@ python benchmarks/round_breakdown.py $OUT/i18/tuning-p19b
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/mtbench-greedy-p19b --methods "autoregressive,draft_model,ouroboros,auto"
 # twentieth pass: the Qwen pair's report sets again with both catch-up changes, greedy and at T=1
-speculum bench $Q13 --out $OUT/i18/qwen-bf16-greedy-128-p20 --methods "autoregressive,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-greedy-128-p20
-python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-greedy-128-p20/summary.json
-speculum bench $Q13 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-128-p20 \
-  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,prompt_lookup,anpd,auto"
-python benchmarks/round_breakdown.py $OUT/i18/qwen-bf16-t1-128-p20
-python benchmarks/controller_bars.py $OUT/i18/qwen-bf16-t1-128-p20/summary.json
+qwen_report_sets p20
