@@ -196,6 +196,12 @@ def test_auto_options():
     # the draft model's stop reaches its part
     part = _sub_config("ouroboros", Options(draft_confidence=0.4, draft_depth=4)).options("cpu")
     assert part.confidence_threshold == 0.4 and part.num_speculative_tokens == 4
+    # the controller's chain stop: off in auto unless asked for, and then on in both draft-model parts
+    assert not _sub_config("ouroboros", Options()).options("cpu").chain_stop
+    assert all(_sub_config(name, Options(chain_stop=True)).options("cpu").chain_stop
+               for name in ("draft_model", "ouroboros"))  # fmt: skip
+    with pytest.raises(InvalidInputError, match="chain_stop"):
+        Options(chain_stop="yes")
 
 
 def test_the_draft_models_sampled_chain_comes_first_and_takes_equal_tokens_in():

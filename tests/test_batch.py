@@ -158,6 +158,29 @@ def test_controlled_rows_stay_exact_and_calibrate():
     assert sum(s.rounds_drafted for s in stats) > 0
 
 
+def test_rows_of_a_batch_draft_their_chains_without_the_chain_stop():
+    """In a batch a row whose chain ended rides along in the others' draft forwards, so the
+    controller's chain stop is for rows decoding alone: the rows draft as their policy says."""
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=2.0)
+    lengths = [16] * len(PROMPTS)  # (the rows end together: a last row left alone would stop its chains)
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    drafters = [build_drafter("draft_model", draft, VOCAB, length_policy="fixed", num_speculative_tokens=6)
+                for _ in PROMPTS]  # fmt: skip
+    for drafter in drafters:
+        drafter.clock.step[1] = 1.0  # a draft forward dearer than any node could pay for
+    controller = Controller(CostModel([(1, 0.010), (64, 0.011)]))
+    outputs, stats = run_rows(model, drafters, lengths, controllers=[controller] * len(PROMPTS))
+    assert outputs == refs
+    assert sum(s.rounds_drafted for s in stats) > 0 and sum(s.chains_stopped for s in stats) == 0
+    # alone, the same drafter's chains are stopped
+    alone = build_drafter("draft_model", draft, VOCAB, length_policy="fixed", num_speculative_tokens=6)
+    alone.clock.step[1] = 1.0
+    alone.clock.charge = lambda *args: None
+    _, [stats] = run_rows(model, [alone], LENGTHS[:1], PROMPTS[:1], [Controller(CostModel([(1, 0.010), (64, 0.011)]))])
+    assert stats.chains_stopped > 0
+
+
 def test_sampled_rows_give_their_seeded_single_request_text():
     model = tiny_model("llama")
     sampling = SamplingParams(temperature=0.9, top_k=20)

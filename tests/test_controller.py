@@ -8,6 +8,7 @@ import torch
 from speculum import engine
 from speculum.controller import Calibration, Controller, source_depths
 from speculum.costs import CostModel
+from speculum.errors import InvalidInputError
 from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams
 from speculum.stats import Stats
@@ -820,3 +821,134 @@ def test_a_short_request_skips_a_draft_model_whose_prefill_would_not_pay():
     assert stats.rounds_drafted == 0 and stats.rounds_plain > 0
     drafter.catch_up_estimate = lambda ctx: 0.0
     assert request(8).rounds_drafted > 0
+
+
+class _FixedClock:
+    """A draft model's clock that says every draft forward costs ``step`` seconds (so a test decides
+    what drafting costs, not the machine)."""
+
+    def __init__(self, step: float):
+        self.step = {1: step}
+
+    def charge(self, drafters, fed, seconds) -> None:
+        pass
+
+    def estimate(self, backlog: int) -> float:
+        return 0.0
+
+
+class _RandomClock(_FixedClock):
+    """A clock whose draft forward costs one of ``steps`` each time it is read, at random."""
+
+    def __init__(self, steps, seed: int):
+        self._steps, self._random = steps, random.Random(seed)
+
+    @property
+    def step(self) -> dict:
+        return {1: self._random.choice(self._steps)}
+
+
+def _chain_length_before_stop(controller, scores, step_seconds):
+    stop = controller.chain_stop()
+    for n, score in enumerate(scores, start=1):
+        stop.add(score)
+        if not stop.worth_another(step_seconds):
+            return n
+    return len(scores)
+
+
+def test_a_chain_stops_where_one_more_draft_forward_does_not_pay():
+    """ChainStop: a confident chain the target takes is drafted on; one whose confident tokens the
+    target rejects (calibration learns it) stops early; dearer draft forwards stop it sooner."""
+    cost = CostModel([(1, 0.010), (8, 0.011), (32, 0.016)])
+    believed = Controller(CostModel(list(cost.points)))
+    sure = [0.95] * 12
+    assert _chain_length_before_stop(believed, sure, 0.001) == 12  # cheap steps, believed: all of it
+    assert _chain_length_before_stop(believed, sure, 0.004) < 12  # a 40% step: reach falls below it
+    wrong = Controller(CostModel(list(cost.points)))
+    for _ in range(60):  # the draft is sure of itself and the target disagrees
+        for depth in (1, 2, 3):
+            wrong.calibration.update(0.95, depth, depth == 1, "draft_model")
+    assert _chain_length_before_stop(wrong, sure, 0.001) <= 2
+    # the first node is always drafted; a step not timed yet never stops a chain
+    assert _chain_length_before_stop(wrong, sure, None) == 12
+
+
+def test_chain_stop_is_a_flag_of_the_chain_drafters():
+    model = tiny_model("llama")
+    for method in ("draft_model", "ouroboros"):
+        assert build_drafter(method, model, VOCAB).options.chain_stop  # on by default (under a controller)
+        with pytest.raises(InvalidInputError, match="chain_stop"):
+            build_drafter(method, model, VOCAB, chain_stop="yes")
+
+
+def test_the_chain_stop_ends_bad_drafts_early_and_keeps_the_output():
+    """A draft model the target disagrees with, drafting 8 tokens a round: under the controller its
+    chains end where one more draft forward does not pay (greedy output unchanged); with
+    ``chain_stop=False`` the length policy alone decides."""
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=2.0)
+    prompt = repetitive_prompt(24, 5, seed=2)
+    reference = reference_greedy(model, prompt, 30)
+    results = {}
+    for chain_stop in (True, False):
+        drafter = build_drafter("draft_model", draft, VOCAB, length_policy="fixed", num_speculative_tokens=8,
+                                chain_stop=chain_stop)  # fmt: skip
+        drafter.clock = _FixedClock(0.004)
+        controller = Controller(CostModel([(1, 0.010), (16, 0.011)]), max_backoff=1)
+        stats = Stats()
+        steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 30, frozenset(), None, stats,
+                           controller)  # fmt: skip
+        assert [t for step in steps for t in step] == reference
+        results[chain_stop] = stats
+    assert results[True].chains_stopped > 0 and results[False].chains_stopped == 0
+    drafted = {k: s.draft_forwards / max(s.rounds_drafted, 1) for k, s in results.items()}
+    assert drafted[True] < drafted[False]
+
+
+def test_sampled_chains_the_controller_stops_stay_exact():
+    """A sampled chain ends where the controller's stop says, after a token and on what was drafted
+    up to it (a stopping time): the first three tokens still follow the warped target (chi-square)."""
+    from scipy.stats import chisquare
+
+    from speculum.sampling import warp
+
+    model = tiny_model("llama", vocab_size=16)
+    draft = perturbed_copy(model, scale=0.3)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    sampling = SamplingParams(temperature=1.0, top_k=3)
+
+    def dist(ids):
+        with torch.no_grad():
+            return warp(model(torch.tensor([ids], device=model.device)).logits[0, -1], sampling)[0]
+
+    exact = {}
+    p1 = dist(prompt)
+    for a in torch.nonzero(p1 > 0).flatten().tolist():
+        p2 = dist(prompt + [a])
+        for b in torch.nonzero(p2 > 0).flatten().tolist():
+            p3 = dist(prompt + [a, b])
+            for c in torch.nonzero(p3 > 0).flatten().tolist():
+                exact[(a, b, c)] = p1[a].item() * p2[b].item() * p3[c].item()
+    # the cost model kept as given (the machine's timings do not move it), and draft forwards that
+    # cost next to nothing or five plain steps at random (independent of the tokens): some chains
+    # are stopped, others go on, whatever this machine's speed
+    controller = Controller(CostModel([(1, 0.010), (8, 0.011)], 0.0), carry_backoff=True)
+    drafter = build_drafter("draft_model", draft, 16, length_policy="fixed", num_speculative_tokens=4)
+    drafter.clock = _RandomClock([0.0005, 0.05], seed=0)
+    gen = torch.Generator(model.device).manual_seed(5)
+    counts = dict.fromkeys(exact, 0)
+    trials, stopped, deep = 2000, 0, 0
+    for _ in range(trials):
+        stats = Stats()
+        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 3, frozenset(), gen, stats, controller)
+        counts[tuple(t for step in steps for t in step)] += 1
+        stopped += stats.chains_stopped
+        deep += stats.drafted_per_position[1] if len(stats.drafted_per_position) > 1 else 0
+    assert stopped > 0 and deep > 0  # chains were stopped, and others went on
+    keep = [k for k, p in exact.items() if p * trials >= 5]
+    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
+    expected = [exact[k] * trials for k in keep]
+    expected.append(trials - sum(expected))
+    _, pvalue = chisquare(observed, expected)
+    assert pvalue > 1e-3

@@ -179,7 +179,8 @@ def print_stats(result, config, dtype_choice=None, row_padding=None) -> None:
             (
                 "controller: rounds drafted / plain, nodes pruned",
                 f"{s.rounds_drafted} / {s.rounds_plain}, {s.nodes_pruned} ({s.rounds_explored} rounds verified whole "
-                f"to explore; own time {s.time_control * 1e3:.1f} ms)",
+                f"to explore; own time {s.time_control * 1e3:.1f} ms)"
+                + (f"; {s.chains_stopped} draft chains ended early" if s.chains_stopped else ""),
             ),
             (
                 "controller: predicted / realised tokens/s",

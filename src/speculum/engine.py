@@ -158,6 +158,10 @@ class Row:
             self.asked = controller.wants_draft(
                 rows, step, catch_up=catch_up, generated=self.stats.new_tokens, tokens_left=ctx.max_depth + 1
             )
+        # a chain's draft forwards are cut where the next does not pay (alone: in a batch, a row
+        # whose chain ended rides along in the others' forwards, and stopping it saves nothing)
+        alone = controller is not None and self.asked and rows == 1
+        ctx.chain_stop = controller.chain_stop() if alone else None
         self.draft = None
         return self.asked
 
@@ -173,6 +177,9 @@ class Row:
         self.catch_up = min(catch_up, draft_seconds) if self.asked else 0.0
         judged = draft_seconds - self.catch_up  # what this round's drafting costs the round
         keep = None
+        if ctx.chain_stop is not None:
+            stats.chains_stopped += ctx.chain_stop.stopped
+            ctx.chain_stop = None
         if controller is not None and draft is not None and len(draft):
             drafter = request.drafter
             plan = controller.plan(

@@ -36,6 +36,7 @@ class Stats:
     rounds_plain: int = 0
     nodes_pruned: int = 0
     rounds_explored: int = 0  # rounds verified whole to learn of nodes pruning would drop
+    chains_stopped: int = 0  # rounds whose draft chain it ended before the length policy did (ChainStop)
     time_control: float = 0.0
     predicted_tokens: float = 0.0
     predicted_time: float = 0.0

@@ -241,6 +241,7 @@ RECORD_KEYS = (
     "rounds_plain",
     "nodes_pruned",
     "rounds_explored",
+    "chains_stopped",
     "time_control",
     "accepted_by",
     "equal_to_baseline",

@@ -69,16 +69,23 @@ class Options:
     # controller verifies its chain as drafted (the standalone draft_model's machine default)
     draft_depth: int = 20
     # the draft model's stop: it drafts on while its confidence in its next token is at least this
-    # (the standalone draft_model's machine default; Ouroboros alone stops at 0.4 within 4 tokens)
+    # (the standalone draft_model's machine default before the chain stop; draft_model and Ouroboros
+    # alone now stop at 0.5 and 0.2, the controller's chain stop deciding above that)
     draft_confidence: float = 0.8
     max_backoff: int = 32  # the draft model is tried again within this many rounds after it stopped paying
     # Ouroboros' phrase pool kept from one request to the next (its component 4); a server that keeps
     # pools per request (no --share-pools) turns it off, as it does for the method alone
     reuse_history: bool = True
+    # true: the draft model's chain also ends where one more draft forward does not pay for itself,
+    # by auto's controller (controller.ChainStop). Off: on the tuning prompts it fired in a few
+    # rounds a request (auto's gates already keep the draft model to the rounds where it pays) and
+    # auto ran at 1.47x with it against 1.57x without, greedy, and 1.33x (draft_confidence 0.5)
+    # against 1.37x at T=1 (issue #18, twenty-first pass), where draft_model and Ouroboros gained
+    chain_stop: bool = False
 
     def __post_init__(self) -> None:
         ints = {"num_speculative_tokens": 1, "draft_depth": 1, "max_backoff": 1}
-        check_options("auto", self, ints, ("reuse_history",))
+        check_options("auto", self, ints, ("reuse_history", "chain_stop"))
         confidence = self.draft_confidence
         if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 <= confidence < 1.0:
             raise InvalidInputError(f"auto: draft_confidence must be a number in [0, 1), got {confidence!r}")
@@ -114,11 +121,12 @@ def _sub_config(name: str, options: Options):
         "prompt_lookup": {"num_speculative_tokens": depth},
         "medusa": {},
         "ctc": {},
-        # the stop measured best on the CPU (MACHINE_DEFAULTS): a draft below 0.8 confidence rarely pays
+        # the stop measured best for auto on the CPU: a draft below 0.8 confidence rarely pays here
         "draft_model": {
             "num_speculative_tokens": draft_depth,
             "length_policy": "confidence",
             "confidence_threshold": options.draft_confidence,
+            "chain_stop": options.chain_stop,
         },
         # the same chain, its draft forwards also checking a pool phrase (the CPU setting's cheap
         # phrase drafting: no Jacobi window, the context's n-grams in the pool), and K pool
@@ -131,6 +139,7 @@ def _sub_config(name: str, options: Options):
             "draft_guesses": 1,
             "context_phrases": True,
             "reuse_history": options.reuse_history,
+            "chain_stop": options.chain_stop,
         },
     }[name]
     return SpeculativeConfig(name, controller=False, **params)
@@ -294,7 +303,7 @@ class AutoDrafter(Drafter):
         # learned, the next one starts from, and the rows of a batch decide together
         self._gates = resources.shared.setdefault(
             ("auto.model_gates", tuple(self.names), options.num_speculative_tokens, options.draft_depth,
-             options.draft_confidence, options.max_backoff), {},
+             options.draft_confidence, options.max_backoff, options.chain_stop), {},
         )  # fmt: skip
         self.groups = list(dict.fromkeys(GATE_GROUPS[n] for n in self.names if n in GATE_GROUPS))
         self._deciding: dict[str, ModelGate] = {}  # group -> the gate that decided this round

@@ -20,13 +20,16 @@ import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from speculum.errors import InvalidInputError
 from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import PositionNoise, SamplingParams, warp
+
+if TYPE_CHECKING:
+    from speculum.controller import ChainStop
 from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 __all__ = [
@@ -122,6 +125,11 @@ class DraftContext:
     # position i with ``noise.choose(q, i)`` (i = len(tokens) - prompt_length + d, d = 0 for the
     # token right after the root).
     noise: PositionNoise | None = None
+    # This round's stop for a chain drafted one forward at a time (``controller.ChainStop``; the
+    # engine sets it for a request decoding alone under a controller): a drafter that grows a chain
+    # ``add``s each node's score and, after each draft forward, ends the chain unless
+    # ``worth_another`` (None: only the drafter's own length policy decides).
+    chain_stop: ChainStop | None = None
 
 
 def token_probability(logits: torch.Tensor, token: int) -> float:

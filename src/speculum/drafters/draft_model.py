@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from speculum import cache as cache_ops
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, token_probability
+from speculum.drafters.base import (
+    Draft,
+    DraftContext,
+    Drafter,
+    Outcome,
+    Resources,
+    check_options,
+    token_probability,
+)
 from speculum.errors import InvalidInputError
 from speculum.policies import DraftStep, check_policy_options, default_draft_length, policy_for
 from speculum.sampling import sample, warp
@@ -38,10 +46,14 @@ class Options:
     acceptance_head: str | None = None  # length_policy="specdecpp": a trained head's checkpoint directory
     stop_threshold: float = 0.7  # specdecpp: stop when P(some candidate rejected) exceeds this (h)
     min_draft_tokens: int = 2  # specdecpp: never stop before this many tokens
+    # under the controller, also end the chain where one more draft forward does not pay for itself
+    # (its measured cost and the calibrated chance of the next token: controller.ChainStop)
+    chain_stop: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = default_draft_length(self.length_policy, 5)
+        check_options("draft_model", self, {}, ("chain_stop",))
         check_policy_options(self)
 
 
@@ -196,12 +208,20 @@ class DraftRound:
             return None
         if policy.should_stop(DraftStep(position, token, logits, dist, hidden)):
             return None
+        stop = ctx.chain_stop if self.drafter.options.chain_stop else None
+        if stop is not None:
+            stop.add(self.scores[-1] if self.scores else None)
+            if not stop.worth_another(self.drafter.clock.step.get(1)):
+                return None
         return [token]
 
     def draft(self) -> Draft | None:
         if not self.tokens:
             return None
-        return Draft.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.scores or None)
+        probs = torch.stack(self.probs) if self.probs else None
+        # labelled as in every composed draft, so the controller calibrates the chain as ChainStop reads it
+        return Draft(self.tokens, list(range(-1, len(self.tokens) - 1)), probs, self.scores or None,
+                     sources=["draft_model"] * len(self.tokens))  # fmt: skip
 
 
 class DraftModelDrafter(Drafter):

@@ -102,6 +102,9 @@ class Options:
     context_phrases: bool = False
     pool_path: str | None = None  # loaded when present, saved after each request (needs reuse_history)
     max_pool_keys: int = DEFAULT_MAX_KEYS
+    # under the controller, also end the chain where one more draft forward does not pay for itself
+    # (not in the paper: controller.ChainStop)
+    chain_stop: bool = True
 
     def __post_init__(self) -> None:
         ints = {
@@ -112,7 +115,9 @@ class Options:
             "guess_set_size": 1,
             "max_pool_keys": 1,
         }
-        bools = ("phrase_drafting", "lengthen", "verification_phrases", "reuse_history", "context_phrases")
+        bools = (
+            "phrase_drafting", "lengthen", "verification_phrases", "reuse_history", "context_phrases", "chain_stop",
+        )  # fmt: skip
         check_options("ouroboros", self, ints, bools, path="pool_path")
         if self.draft_guesses is not None:
             check_options("ouroboros", self, {"draft_guesses": 0})
@@ -449,6 +454,7 @@ class PhraseRound:
         rows = d._rows(logits, deciding)
         states = hidden[deciding] if hidden is not None else [None] * len(deciding)
         policy, chain = d.policy, self.chain
+        stop = ctx.chain_stop if d.options.chain_stop else None
         for node, token, row, state in zip(deciding, produced, rows, states, strict=True):
             if d.vocab_size is not None and token >= d.vocab_size:
                 self.done = True  # a draft-only id the target cannot verify
@@ -460,12 +466,18 @@ class PhraseRound:
             if ctx.wants_scores:  # (sampled: of the most likely token, as draft_model's)
                 dist = self._dists.get(node)
                 self.scores.append(token_probability(row, token) if dist is None else float(dist.max()))
+            if stop is not None:
+                stop.add(self.scores[-1] if self.scores else None)
             if token in ctx.eos_token_ids or len(chain) >= self.budget:
                 self.done = True
                 return
             if policy.should_stop(DraftStep(len(chain) - 1, token, row, None, state)):
                 self.done = True
                 return
+        # (the tokens one forward produced cost nothing more to draft: the stop weighs the next forward)
+        if stop is not None and not stop.worth_another(d.clock.step.get(1)):
+            self.done = True
+            return
         self.forced = [chain[-1]]
 
     def draft(self) -> Draft | None:

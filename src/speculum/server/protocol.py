@@ -146,6 +146,7 @@ def speculation_stats(method: str, stats: Stats, *, time_to_first_token: float |
                 "rounds_plain": stats.rounds_plain,
                 "nodes_pruned": stats.nodes_pruned,
                 "rounds_explored": stats.rounds_explored,
+                "chains_stopped": stats.chains_stopped,
             }
             if stats.rounds_drafted or stats.rounds_plain
             else {}
