@@ -525,3 +525,38 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
   --max-new-tokens 128 --out $OUT/i18/mtbench-greedy-p19b --methods "autoregressive,draft_model,ouroboros,auto"
 # twentieth pass: the Qwen pair's report sets again with both catch-up changes, greedy and at T=1
 qwen_report_sets p20
+# twenty-first pass: the controller's chain stop (a draft model's chain ends where one more draft forward does not
+# pay), timed on and off on the tuning prompts with five translations added (WMT16 21-25), then the WMT16 report set.
+# The runs named the settings of the code they ran; spelled out here as they are now (naming a parameter of a machine
+# setting drops the rest of it: draft_model:confidence_threshold=0.5 had run transformers' heuristic length, 5 tokens)
+python - <<'PY'
+import json
+from speculum.bench.datasets import load_dataset
+with open("/tmp/wmt21-25.jsonl", "w") as f:
+    for p in load_dataset("wmt16")[20:25]:
+        f.write(json.dumps({"question_id": p.question_id, "turns": [p.text]}) + "\n")
+PY
+TUNE21="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,mbpp,/tmp/wmt21-25.jsonl --limit 5 --max-new-tokens 64"
+DM08="draft_model:length_policy=confidence,num_speculative_tokens=20,confidence_threshold=0.8"
+DM_OLD="$DM08,chain_stop=false"  # the old CPU default
+DM_HEUR="draft_model:length_policy=heuristic,num_speculative_tokens=5"
+OURO04="ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence,confidence_threshold=0.4"
+OURO_OLD="$OURO04,chain_stop=false"  # the old CPU default
+# run 1: the stop on and off at the old thresholds
+speculum bench $TUNE21 --out $OUT/i18/tuning-p21 --methods "autoregressive,$DM08,$DM_OLD,$OURO04,$OURO_OLD,auto:chain_stop=true,auto"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-p21
+# run 2: permissive thresholds with the stop (draft_model: the heuristic length), and without
+speculum bench $TUNE21 --out $OUT/i18/tuning-p21b \
+  --methods "autoregressive,$DM_OLD,$DM_HEUR,$DM_HEUR,chain_stop=false,$OURO_OLD,ouroboros,auto,auto:draft_confidence=0.5,chain_stop=true"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-p21b
+# run 3, T = 1: the candidates (now the defaults: draft_model 0.5, Ouroboros 0.2, both with the stop) and the old
+speculum bench $TUNE21 --temperature 1 --seed 0 --out $OUT/i18/tuning-t1-p21 \
+  --methods "autoregressive,$DM_OLD,draft_model,$OURO_OLD,ouroboros,auto,auto:draft_confidence=0.5,chain_stop=true"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-t1-p21
+# run 4: the new defaults against the old, greedy
+speculum bench $TUNE21 --out $OUT/i18/tuning-p21c --methods "autoregressive,draft_model,$DM_OLD,ouroboros,$OURO_OLD"
+python benchmarks/round_breakdown.py $OUT/i18/tuning-p21c
+# the WMT16 report set greedy at 128 tokens, old and new beside prompt lookup and auto
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/wmt-greedy-p21 --methods "autoregressive,prompt_lookup,draft_model,$DM_OLD,ouroboros,$OURO_OLD,auto"
+python benchmarks/round_breakdown.py $OUT/i18/wmt-greedy-p21
