@@ -812,3 +812,30 @@ def test_an_interrupted_data_pass_resumes_after_its_last_saved_part(speculum_lla
     for name in DATA_COLUMNS:
         assert torch.equal(data[name], whole[name]), name
     assert cache.exists() and not folder.exists()
+
+
+def test_a_data_file_named_with_data_is_never_replaced_by_other_inputs(speculum_llama, tmp_path):
+    """--data names a data file to use: made from other texts than the command's, it is refused with
+    a clear error (not remade over: it may hold an hour of data passes); --regenerate remakes it."""
+    from speculum.errors import InvalidInputError
+    from speculum.training.draft_heads import DistillSettings, load_or_make_data
+    from speculum.training.texts import TrainingText
+
+    texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5)]
+    settings = DistillSettings(max_tokens=64)
+    file = tmp_path / "d.safetensors"
+    made, cached = load_or_make_data(speculum_llama, texts, settings, file, progress=False, given=True)
+    assert not cached and file.exists()
+    again, cached = load_or_make_data(speculum_llama, texts, settings, file, progress=False, given=True)
+    assert cached and torch.equal(again["label"], made["label"])
+    before = file.read_bytes()
+    with pytest.raises(InvalidInputError, match="--extra-data"):
+        load_or_make_data(speculum_llama, texts[:2], settings, file, progress=False, given=True)
+    assert file.read_bytes() == before
+    # not named by the user (the cache in --out): remade for the new inputs, as before
+    fewer, cached = load_or_make_data(speculum_llama, texts[:2], settings, file, progress=False)
+    assert not cached and len(fewer["label"]) < len(made["label"])
+    remade, cached = load_or_make_data(
+        speculum_llama, texts, settings, file, regenerate=True, progress=False, given=True
+    )
+    assert not cached and torch.equal(remade["label"], made["label"])

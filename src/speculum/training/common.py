@@ -33,6 +33,17 @@ def cached_tensors(
     return data, False
 
 
+def stored_key(cache: Path) -> str | None:
+    """The key a :func:`cached_tensors` file was made with (None: unreadable, or none)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(cache), "pt") as f:
+            return (f.metadata() or {}).get("key")
+    except Exception:  # noqa: BLE001 - not a cache file
+        return None
+
+
 def split_by_text(data: dict[str, torch.Tensor], val_fraction: float, seed: int):
     """Train / validation masks over ``data["text"]`` rows, whole texts held out for validation."""
     texts = torch.unique(data["text"])

@@ -53,7 +53,7 @@ from speculum.heads.projection import lm_head_weight
 from speculum.models import dtypes
 from speculum.poolfile import write_atomic
 from speculum.runner import ModelRunner
-from speculum.training.common import cached_tensors, split_by_text, torch_bytes
+from speculum.training.common import cached_tensors, split_by_text, stored_key, torch_bytes
 from speculum.training.texts import TrainingText, encode, generation_layouts
 
 DATA_FILE = "distill_data.safetensors"
@@ -262,12 +262,21 @@ def data_key(spec, texts: list[TrainingText], settings: DistillSettings) -> str:
     return h.hexdigest()
 
 
-def load_or_make_data(spec, texts, settings: DistillSettings, cache: Path, regenerate=False, progress=True):
+def load_or_make_data(
+    spec, texts, settings: DistillSettings, cache: Path, regenerate=False, progress=True, given: bool = False
+):
     """The data, from ``cache`` when its inputs are the same; made otherwise (the target's
     continuations from the ``CONTINUATIONS_FILE`` beside it, as far as they go: ``regenerate`` makes
-    those again too)."""
+    those again too). ``given``: the user named ``cache`` (``--data``), so a file there made from
+    other inputs is refused rather than replaced: it may hold an hour of data passes."""
     continued = cache.with_name(CONTINUATIONS_FILE)
     key = data_key(spec, texts, settings)
+    if given and not regenerate and cache.exists() and stored_key(cache) != key:
+        raise InvalidInputError(
+            f"--data {cache} was made from other texts or data settings than this command's (--model, --texts, "
+            "--max-tokens, --generate, --generate-batch, --raw-layout). Give the ones it was made with; to train on it "
+            "beside new texts, pass it as --extra-data instead; --regenerate remakes it there"
+        )
     partial = PartialData(cache.with_name(cache.name + ".parts"), key)
     if regenerate:
         continued.unlink(missing_ok=True)
@@ -682,7 +691,9 @@ def run(
     settings.check()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    data, cached = load_or_make_data(spec, texts, data_settings, data_file or out / DATA_FILE, regenerate, progress)
+    data, cached = load_or_make_data(
+        spec, texts, data_settings, data_file or out / DATA_FILE, regenerate, progress, given=data_file is not None
+    )
     data_time = time.perf_counter() - t0
     own_positions = len(data["label"])
     data = append_data(spec, data, list(extra_data or []))
