@@ -560,3 +560,9 @@ python benchmarks/round_breakdown.py $OUT/i18/tuning-p21c
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset wmt16 --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/wmt-greedy-p21 --methods "autoregressive,prompt_lookup,draft_model,$DM_OLD,ouroboros,$OURO_OLD,auto"
 python benchmarks/round_breakdown.py $OUT/i18/wmt-greedy-p21
+# ---- issue #20, sixth pass (started): both data files rebuilt under heads/ (the fifth pass's commands, into
+# heads/qwen-medusa and heads/qwen-new), then the CTC module on both with a longer budget (4 x 75,000 examples,
+# a checkpoint per epoch: the same command with --resume continues), then β against Medusa on the same data
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-long --texts "$TEXTS" --generate 256 \
+    --data heads/qwen-medusa/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
+    --standardize --lr 3e-4 --epochs 4 --max-examples 75000 --threads 2
