@@ -136,3 +136,15 @@ def slow_catch_up(drafter, seconds: float = 0.3) -> None:
         return draft
 
     drafter.propose = slower
+
+
+def fit_pvalue(counts: dict, exact: dict, trials: int) -> float:
+    """Chi-square goodness of fit of observed output ``counts`` to the ``exact`` probabilities: the
+    outcomes expected at least 5 times each, the rest pooled into one bin."""
+    from scipy.stats import chisquare
+
+    keep = [k for k, p in exact.items() if p * trials >= 5]
+    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
+    expected = [exact[k] * trials for k in keep]
+    expected.append(trials - sum(expected))
+    return chisquare(observed, expected)[1]

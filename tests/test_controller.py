@@ -14,7 +14,7 @@ from speculum.sampling import SamplingParams
 from speculum.stats import Stats
 from speculum.tree import Draft, TokenTree
 
-from helpers import build_drafter, generate_ids, slow_catch_up
+from helpers import build_drafter, fit_pvalue, generate_ids, slow_catch_up
 from tiny_models import ARCHS, VOCAB, perturbed_copy, reference_greedy, repetitive_prompt, tiny_model
 
 FLAT = CostModel([(1, 0.010), (64, 0.011)])  # verifying 64 nodes costs what one does (a GPU-like curve)
@@ -479,8 +479,6 @@ def test_the_controller_off_is_the_method_as_published():
 def test_sampled_drafts_pruned_by_the_controller_stay_exact():
     """Sampling with pruning (a steep curve prunes sampled chains part way): the first two tokens
     follow the warped target (chi-square), as without the controller."""
-    from scipy.stats import chisquare
-
     from speculum.sampling import warp
 
     model = tiny_model("llama", vocab_size=16)
@@ -505,12 +503,7 @@ def test_sampled_drafts_pruned_by_the_controller_stay_exact():
         counts[tuple(t for step in steps for t in step)] += 1
         pruned += stats.nodes_pruned
     assert pruned > 0  # the controller did prune sampled drafts
-    keep = [k for k, p in exact.items() if p * trials >= 5]
-    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
-    expected = [exact[k] * trials for k in keep]
-    expected.append(trials - sum(expected))
-    _, pvalue = chisquare(observed, expected)
-    assert pvalue > 1e-3
+    assert fit_pvalue(counts, exact, trials) > 1e-3
 
 
 def test_with_sampled_nodes_a_node_is_kept_on_what_was_known_before_it_was_sampled():
@@ -802,7 +795,10 @@ def test_a_short_request_skips_a_draft_model_whose_prefill_would_not_pay():
     long requests run, a request whose draft prefill costs more than drafting would save takes
     plain steps only (its output unchanged), while a long one still drafts."""
     model = tiny_model("llama")
-    drafter = build_drafter("draft_model", perturbed_copy(model, scale=0.1), VOCAB, num_speculative_tokens=3)
+    # (chains of a fixed length: the chain stop, timed on a busy machine, can leave the goodput
+    # between verdicts when the long request ends, and an unjudged goodput lets a probe through)
+    drafter = build_drafter("draft_model", perturbed_copy(model, scale=0.1), VOCAB, num_speculative_tokens=3,
+                            chain_stop=False)  # fmt: skip
     controller = Controller(FLAT)
     runner = ModelRunner(model)
     prompt = repetitive_prompt(24, 5, seed=3)
@@ -909,8 +905,6 @@ def test_the_chain_stop_ends_bad_drafts_early_and_keeps_the_output():
 def test_sampled_chains_the_controller_stops_stay_exact():
     """A sampled chain ends where the controller's stop says, after a token and on what was drafted
     up to it (a stopping time): the first three tokens still follow the warped target (chi-square)."""
-    from scipy.stats import chisquare
-
     from speculum.sampling import warp
 
     model = tiny_model("llama", vocab_size=16)
@@ -946,9 +940,4 @@ def test_sampled_chains_the_controller_stops_stay_exact():
         stopped += stats.chains_stopped
         deep += stats.drafted_per_position[1] if len(stats.drafted_per_position) > 1 else 0
     assert stopped > 0 and deep > 0  # chains were stopped, and others went on
-    keep = [k for k, p in exact.items() if p * trials >= 5]
-    observed = [counts[k] for k in keep] + [trials - sum(counts[k] for k in keep)]
-    expected = [exact[k] * trials for k in keep]
-    expected.append(trials - sum(expected))
-    _, pvalue = chisquare(observed, expected)
-    assert pvalue > 1e-3
+    assert fit_pvalue(counts, exact, trials) > 1e-3

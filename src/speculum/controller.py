@@ -645,7 +645,7 @@ class ChainStop:
     last one. It is worth it while that gain per second beats the round's expected tokens per
     second so far. Reach only falls along a chain, so the first node that does not pay ends it.
 
-    Issue #18: the draft model's own stop (confidence 0.8) drafts on while the draft is sure of
+    Issue #18: the draft model's own stop (confidence 0.8, its CPU default then) drafts on while the draft is sure of
     itself, whether or not the target agrees; on translations it is sure and wrong often enough
     that the drafting (1.1 plain steps per round with the Qwen pair) ate the gain. Calibration
     learns how far its confidence is believed on this request, and the draft step's measured cost

@@ -75,8 +75,16 @@ class Draft:
                 raise ValueError(f"draft node {i} has parent {parent}: parents must come before their children")
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | list | None = None, scores: list | None = None) -> Draft:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores)
+    def chain(
+        cls,
+        tokens: list[int],
+        probs: torch.Tensor | list | None = None,
+        scores: list | None = None,
+        source: str | None = None,
+    ) -> Draft:
+        """A chain below the root; ``source``: the drafter every node is labelled with (``sources``)."""
+        sources = [source] * len(tokens) if source is not None else None
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores, sources)
 
     @classmethod
     def from_paths(

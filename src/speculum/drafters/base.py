@@ -27,10 +27,10 @@ import torch
 from speculum.errors import InvalidInputError
 from speculum.runner import LazyLogits, ModelRunner, has_plain_head
 from speculum.sampling import PositionNoise, SamplingParams, warp
+from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 if TYPE_CHECKING:
     from speculum.controller import ChainStop
-from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 __all__ = [
     "Draft",

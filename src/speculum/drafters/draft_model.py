@@ -220,8 +220,7 @@ class DraftRound:
             return None
         probs = torch.stack(self.probs) if self.probs else None
         # labelled as in every composed draft, so the controller calibrates the chain as ChainStop reads it
-        return Draft(self.tokens, list(range(-1, len(self.tokens) - 1)), probs, self.scores or None,
-                     sources=["draft_model"] * len(self.tokens))  # fmt: skip
+        return Draft.chain(self.tokens, probs, self.scores or None, source="draft_model")
 
 
 class DraftModelDrafter(Drafter):
