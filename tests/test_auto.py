@@ -340,7 +340,7 @@ def test_the_model_gate_judges_the_draft_model_without_its_prefill():
     list(engine.run(ModelRunner(model), prompt, warm_up, SamplingParams(), 20, frozenset(), None, Stats(), Controller(
         CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))))  # fmt: skip
     drafter = auto(model, draft, drafters="draft_model")
-    slow_catch_up(drafter.parts[0].drafter, 0.3)
+    slow_catch_up(drafter.parts[0].drafter, 0.5)
     gate = drafter.gate(1, "draft model")
     judged = []  # the seconds of each round the gate was told of
     record = gate.record
@@ -352,5 +352,5 @@ def test_the_model_gate_judges_the_draft_model_without_its_prefill():
     controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))
     steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 20, frozenset(), None, stats, controller)
     assert [t for step in steps for t in step] == reference_greedy(model, prompt, 20)
-    assert stats.time_draft_catch_up >= 0.3
-    assert len(judged) >= 2 and max(judged) < 0.3  # the first round's, had the prefill counted, is over 0.3 s
+    assert stats.time_draft_catch_up >= 0.5
+    assert len(judged) >= 2 and max(judged) < 0.5  # the first round's, had the prefill counted, is over 0.5 s
