@@ -341,55 +341,6 @@ def test_nodes_pruning_would_always_drop_are_explored_on_a_budget():
     assert not controller.plan(chain_and_phrase(), 20, whole_sources=frozenset({"draft_model"})).explored
 
 
-# a 12-node draft that cannot be pruned (a lookahead window) costs 2.2 plain steps to verify
-WINDOW_COST = CostModel([(1, 0.010), (13, 0.022)])
-
-
-def window_rounds(controller, rounds, accepted_of, nodes=12):
-    """Feed ``controller`` rounds of an unprunable ``nodes``-node draft of which the first
-    ``accepted_of(i)`` are accepted; returns which rounds verified it and the seconds spent."""
-    verified, spent = [], 0.0
-    for i in range(rounds):
-        asked = controller.wants_draft()
-        draft, tree = None, TokenTree([1], [-1])
-        if asked:
-            draft = Draft.chain(list(range(3, 3 + nodes)))
-            tree = TokenTree.from_draft(1, draft, keep=controller.plan(draft, 20, prunable=False).keep)
-        accepted = min(accepted_of(i), len(tree) - 1)
-        seconds = WINDOW_COST(len(tree))
-        spent += seconds
-        verified.append(len(tree) > 1)
-        controller.observe_round(
-            tree, list(range(accepted + 1)), draft, asked=asked, committed=accepted + 1,
-            forward_seconds=seconds, round_seconds=seconds,
-        )  # fmt: skip
-    return verified, spent
-
-
-def test_a_draft_that_cannot_be_pruned_is_verified_whole_or_not_at_all():
-    window = Draft.chain(list(range(3, 15)))
-    assert Controller(FLAT).plan(window, 20, prunable=False).keep is None  # verifying it is nearly free
-    dear = Controller(STEEP).plan(window, 20, prunable=False)  # every node costs a step: never pays
-    assert dear.keep == [False] * 12 and dear.pruned == 12 and dear.expected_tokens == 1.0
-
-
-def test_a_window_that_never_pays_costs_only_the_exploring_budget():
-    """Verified whole in every asked round, a window that gives nothing lost each request's back-off
-    probes (10-20% of plain decoding's speed, issue #18); now only what exploring may spend."""
-    controller = Controller(CostModel(list(WINDOW_COST.points)))
-    verified, spent = window_rounds(controller, 600, lambda i: 0)
-    assert 3 <= sum(verified) <= 20  # still verified now and then, to notice when it pays again
-    assert spent <= 1.03 * 600 * 0.010  # within 3% of plain decoding
-    verified, _ = window_rounds(controller, 300, lambda i: 12)  # the text turns repetitive: it pays
-    assert all(verified[150:])  # verified in every round again, within the exploring interval
-
-
-def test_a_window_that_pays_in_bursts_is_verified_on_its_goodput():
-    # one round in four accepts the whole window: 4 tokens a round on average for 2.2 plain steps
-    verified, spent = window_rounds(Controller(CostModel(list(WINDOW_COST.points))), 600, lambda i: 12 * (i % 4 == 0))
-    assert sum(verified) > 0.85 * 600
-
-
 def test_dear_drafting_makes_extra_nodes_a_smaller_share_of_the_round():
     # the same phrase costs 0.003 s more to verify: 27% of a round with no drafting time, 14% of one
     # that spent 0.011 s drafting; its ~0.75 expected tokens pay only in the second

@@ -28,9 +28,7 @@ decoding:
   chance a node is reached is the product along its path; the controller keeps the sub-tree of the
   most likely nodes whose expected committed tokens per second, under the cost model t(n), is
   highest, and hands the engine a keep-mask (pruning is lossless: dropped nodes are simply not
-  verified). Nothing kept means a plain step. A draft that cannot be pruned (a lookahead window) is
-  verified whole when that expectation, or what its verified rounds committed per second lately,
-  beats a plain step, and otherwise only in rounds the exploring budget (below) pays for.
+  verified). Nothing kept means a plain step.
 - **Exploration.** A probe round (after a back-off) prunes with optimistic estimates (no node
   below its drafter's own belief), so calibration keeps learning even when it says nothing pays,
   without paying for a whole tree. Nodes that pruning would always drop are never verified, so
@@ -460,14 +458,13 @@ class Controller:
         sources = draft.sources if draft.sources is not None else [""] * len(draft)
         labels = calibration_labels(draft)
         runs = source_depths(draft)
-        optimistic = self.probing and prunable  # (a draft that cannot be pruned explores on the budget)
         reach = [0.0] * len(draft)  # P(node reached and accepted)
         by_parent: dict[int, list[int]] = {}
         for i, parent in enumerate(draft.parents):
             by_parent.setdefault(parent, []).append(i)
         for parent, children in by_parent.items():  # parents before children: reach[parent] is final
             above = 1.0 if parent < 0 else reach[parent]
-            chances = [self.calibration.estimate(scores[c], runs[c], labels[c], optimistic=optimistic)
+            chances = [self.calibration.estimate(scores[c], runs[c], labels[c], optimistic=self.probing)
                        if depths[c] <= max_depth else 0.0 for c in children]  # fmt: skip
             total = sum(chances)
             scale = 1.0 / total if total > 1.0 else 1.0  # siblings are exclusive: at most one is accepted
@@ -475,10 +472,8 @@ class Controller:
                 reach[child] = above * chance * scale
         within = sum(1 for d in depths if d <= max_depth)
         if not prunable:
-            expected = 1.0 + sum(r for r, d in zip(reach, depths, strict=True) if d <= max_depth)
-            return self._all_or_nothing(
-                len(draft), within, expected, cost, rows, others, self.overhead * rows + draft_seconds
-            )
+            expected = 1.0 + sum(reach[i] for i in range(len(draft)) if depths[i] <= max_depth)
+            return self._planned(Plan(None, expected, cost(within + 1)), within)
         whole = [False] * len(draft)  # kept as proposed: a whole-source node below the root or another one
         if whole_sources and draft.sources is not None:
             for i, parent in enumerate(draft.parents):
@@ -497,36 +492,12 @@ class Controller:
         expected = 1.0 + sum(r for r, k in zip(reach, keep, strict=True) if k)
         return self._planned(Plan(keep, expected, cost(kept + 1), within - kept, explored), kept)
 
-    def _all_or_nothing(
-        self, size: int, within: int, expected: float, cost, rows: int, others: float, spent: float
-    ) -> Plan:
-        """A draft that cannot be pruned (a lookahead window moves by the target's output at every
-        one of its nodes) is verified whole when it pays, by the calibrated chance of its nodes or by
-        what the verified rounds of this drafter committed per second lately, and otherwise not at all
-        (a plain step) but for rounds the exploring budget pays for, so both keep learning what it
-        gives. Issue #18: verified whole in every asked round, lookahead's 12-node windows cost 2.2
-        plain steps of Gemma 3 270M in float32 on an AVX2 CPU, and the probes of each request's
-        back-off ramp lost 10-20% of plain decoding's speed while its windows gave next to nothing."""
-        whole, plain = cost(within + 1), cost(1)
-        pays = (others + expected) / (whole + spent) > (others + 1.0) / (plain + spent)
-        if not pays and rows == 1 and self.asked.judged and self.asked.rate is not None:
-            pays = self.asked.rate > self.plain_rate() * (1.0 + self.margin)
-        if pays or self._spend_exploring(whole - plain):
-            return self._planned(Plan(None, expected, whole, 0, not pays), within)
-        return self._planned(Plan([False] * size, 1.0, plain, within), 0)
-
-    def _spend_exploring(self, extra: float) -> bool:
-        """Whether the exploring budget covers ``extra`` seconds of verification (then spent)."""
-        if extra > self._explore_budget:
-            return False
-        self._explore_budget -= max(extra, 0.0)
-        return True
-
     def _explores(self, draft, keep, bins, max_depth, kept_cost, whole_cost) -> bool:
         """Whether to verify the whole proposal this round instead of the pruned one: some dropped
         node's bin holds too little evidence, and the budget covers the extra nodes. Only bins
         (source, depth, score) decide, never a node's token, so sampled drafts stay exact."""
-        if whole_cost - kept_cost > self._explore_budget:
+        extra = whole_cost - kept_cost
+        if extra > self._explore_budget:
             return False
         depths, runs, scores, labels = bins
         # the frontier of what pruning kept: a node below a dropped one is learnt of once its parent
@@ -537,7 +508,9 @@ class Controller:
             and self.calibration.evidence(scores[i], runs[i], labels[i]) < EXPLORE_EVIDENCE
             for i, parent in enumerate(draft.parents)
         )  # fmt: skip
-        return unknown and self._spend_exploring(whole_cost - kept_cost)
+        if unknown:
+            self._explore_budget -= max(extra, 0.0)
+        return unknown
 
     def _best_keep(self, reach, depths, whole, cost, base_tokens: float, spent: float) -> list[bool]:
         """Deterministic drafts: the ``whole`` nodes, then the prefix of the other nodes, most likely
