@@ -566,3 +566,17 @@ python benchmarks/round_breakdown.py $OUT/i18/wmt-greedy-p21
 speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-long --texts "$TEXTS" --generate 256 \
     --data heads/qwen-medusa/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
     --standardize --lr 3e-4 --epochs 4 --max-examples 75000 --threads 2
+# ---- issue #18, twenty-second pass: an AVX2-only host (dtype="auto" gives prepacked float32): both models' report
+# sets greedy at 128 tokens; then lookahead alone greedy and at T = 1 with commit e84f173 (its windows verified whole or
+# not at all; reverted by 2037a03: see BENCHMARKS.md); then what a chain and a tree of n nodes cost
+G22="--model gemma-3-270m --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128"
+speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-p22 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-greedy-p22/summary.json
+speculum bench $Q13 --out $OUT/i18/qwen-avx2-greedy-128-p22 --methods "autoregressive,hf_assisted,prompt_lookup,anpd,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-avx2-greedy-128-p22
+python benchmarks/controller_bars.py $OUT/i18/qwen-avx2-greedy-128-p22/summary.json
+speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-lookahead-p22 --methods "autoregressive,lookahead"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-lookahead-p22 --methods "autoregressive,lookahead"
+python benchmarks/chain_vs_tree.py gemma-3-270m
+python benchmarks/chain_vs_tree.py qwen2.5-coder-1.5b --sizes 1,2,4,8,16 --reps 5
