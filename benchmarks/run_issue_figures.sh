@@ -580,3 +580,7 @@ speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-lookahead-p22 --methods "au
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-lookahead-p22 --methods "autoregressive,lookahead"
 python benchmarks/chain_vs_tree.py gemma-3-270m
 python benchmarks/chain_vs_tree.py qwen2.5-coder-1.5b --sizes 1,2,4,8,16 --reps 5
+# ... and Gemma 3 270M's report sets at T = 1 with the shipped code
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-p22 \
+  --methods "autoregressive,hf_generate,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p22/summary.json
