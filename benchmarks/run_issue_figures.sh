@@ -584,3 +584,6 @@ python benchmarks/chain_vs_tree.py qwen2.5-coder-1.5b --sizes 1,2,4,8,16 --reps 
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-p22 \
   --methods "autoregressive,hf_generate,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
 python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p22/summary.json
+# ... and auto's draft-model depth as a lead, on the tuning prompts (MT-bench 101-105, WMT16 21-25; files as above)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl \
+  --limit 5 --max-new-tokens 64 --out $OUT/i18/auto-lead-tuning-p22 --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true"
