@@ -170,10 +170,27 @@ def test_calibration_learns_what_the_target_accepts():
     for _ in range(200):
         cal.update(0.95, 1, accepted=False)
     assert cal.estimate(0.95, 1) < 0.1
-    assert cal.estimate(None, 2) == pytest.approx(0.5)  # unscored nodes: by depth, from 0.5
+    # unscored nodes: by depth, from 0.5 (another source: the first one's misses are not its own)
+    assert cal.estimate(None, 2, "ngram") == pytest.approx(0.5)
     for _ in range(50):
-        cal.update(None, 2, accepted=True)
-    assert cal.estimate(None, 2) > 0.9 and cal.estimate(None, 3) == pytest.approx(0.5)
+        cal.update(None, 2, accepted=True, source="ngram")
+    assert cal.estimate(None, 2, "ngram") > 0.9
+    assert cal.estimate(None, 3, "other") == pytest.approx(0.5)
+
+
+def test_a_source_whose_nodes_fall_short_of_their_estimates_is_corrected_in_every_bin():
+    """A drafter's belief (its score, the prior of ~30 bins) is far above what the target accepts: after
+    a few dozen of its nodes, even bins that saw none of them estimate near what the source gets,
+    while another source keeps its own estimates; bins that learnt the truth stay near it."""
+    cal = Calibration()
+    rng = random.Random(0)
+    for i in range(60):  # heads sure of themselves at every depth, accepted 5% of the time
+        cal.update(0.9, 1 + i % 2, accepted=rng.random() < 0.05, source="medusa")
+    assert cal.estimate(0.9, 3, "medusa") < 0.35  # depth 3: no node of its own yet (prior 0.95)
+    assert cal.estimate(0.9, 3, "anpd") > 0.9
+    for _ in range(300):  # a source whose bins are right: its correction stays near one
+        cal.update(0.35, 1, accepted=rng.random() < 0.35, source="anpd")
+    assert 0.25 < cal.estimate(0.35, 1, "anpd") < 0.45
 
 
 def test_calibration_tells_a_first_guess_from_the_rest_of_a_copied_phrase():
