@@ -587,3 +587,13 @@ python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p22/summary.json
 # ... and auto's draft-model depth as a lead, on the tuning prompts (MT-bench 101-105, WMT16 21-25; files as above)
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl \
   --limit 5 --max-new-tokens 64 --out $OUT/i18/auto-lead-tuning-p22 --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true"
+# ---- issue #18, twenty-third pass (AVX2 host, float32): the calibration's per-drafter correction (controller.Calibration
+# .by_source). The Qwen pair's chat and translation sets, Gemma 3 270M's report sets, and the Qwen pair's code sets
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/qwen-avx2-chat-p23 --methods "autoregressive,hf_assisted,anpd,draft_model,ouroboros,auto"
+python benchmarks/round_breakdown.py $OUT/i18/qwen-avx2-chat-p23
+speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-p23 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-greedy-p23/summary.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/qwen-avx2-code-p23 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
