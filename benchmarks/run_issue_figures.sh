@@ -597,3 +597,6 @@ speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-p23 \
 python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-greedy-p23/summary.json
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/qwen-avx2-code-p23 --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-p23 \
+  --methods "autoregressive,hf_generate,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p23/summary.json
