@@ -588,7 +588,10 @@ python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p22/summary.json
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl \
   --limit 5 --max-new-tokens 64 --out $OUT/i18/auto-lead-tuning-p22 --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true"
 # ---- issue #18, twenty-third pass (AVX2 host, float32): the calibration's per-drafter correction (controller.Calibration
-# .by_source). The Qwen pair's chat and translation sets, Gemma 3 270M's report sets, and the Qwen pair's code sets
+# .by_source). The trace that found it, then the Qwen pair's chat and translation sets, Gemma 3 270M's report sets,
+# and the Qwen pair's code sets
+python benchmarks/trace_rounds.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --methods "autoregressive;auto;draft_model" --dataset mt_bench --limit 5 --out $OUT/i18/trace-mt-p23.jsonl
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/qwen-avx2-chat-p23 --methods "autoregressive,hf_assisted,anpd,draft_model,ouroboros,auto"
 python benchmarks/round_breakdown.py $OUT/i18/qwen-avx2-chat-p23
