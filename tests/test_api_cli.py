@@ -60,6 +60,40 @@ def test_machine_defaults_apply_on_cpu_as_a_whole_and_paper_preset_keeps_the_pub
         speculum.SpeculativeConfig("draft_model", preset="fast")
 
 
+def test_a_machine_class_setting_replaces_the_devices_for_its_methods_only(monkeypatch):
+    """On a CPU the class is the vector instruction set torch computes with: where that class has a
+    measured setting for a method it replaces the device's whole; other classes and methods keep
+    the device's."""
+    import torch
+
+    from speculum.methods import MACHINE_DEFAULTS, machine_class, machine_defaults
+
+    device = {"lookahead": {"window_size": 4, "ngram_size": 4}, "ctc": {"tree": "prefix"}}
+    monkeypatch.setitem(MACHINE_DEFAULTS, "cpu", device)
+    monkeypatch.setitem(MACHINE_DEFAULTS, "cpu/avx2", {"lookahead": {"window_size": 2}})
+    published = speculum.SpeculativeConfig("lookahead", preset="paper").options("cpu")
+    # one combination: the class's setting does not inherit the device's other parameters
+    for capability, window, ngram in (("AVX2", 2, published.ngram_size), ("AVX512", 4, 4)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert machine_class("cpu") == f"cpu/{capability.lower()}"
+        options = speculum.SpeculativeConfig("lookahead").options("cpu")
+        assert (options.window_size, options.ngram_size) == (window, ngram)
+        assert machine_defaults("ctc", "cpu") == {"tree": "prefix"}
+    assert machine_class("cuda") == "cuda" and machine_defaults("lookahead", "cuda") == {}
+
+
+def test_every_measured_setting_of_every_machine_class_is_lossless(spec):
+    """Whatever class of CPU the tests run on, each setting some class gets by default decodes
+    exactly what plain decoding does (heads' methods: in their own tests, with trained heads)."""
+    from speculum.methods import MACHINE_DEFAULTS
+
+    base = spec.generate(PROMPT, "autoregressive", max_new_tokens=16)
+    for klass, settings in MACHINE_DEFAULTS.items():
+        for method, setting in settings.items():
+            if method not in ("medusa", "ctc"):
+                assert spec.generate(PROMPT, method, max_new_tokens=16, **setting).token_ids == base.token_ids, klass
+
+
 def test_sampled_requests_get_the_devices_sampled_setting_and_share_the_pools(spec, monkeypatch):
     """Where a method's CPU setting differs at T > 0: a sampled request runs a drafter built with
     it, a greedy one the greedy setting's, both over one phrase pool; the seeded text is plain

@@ -153,10 +153,10 @@ def generate(
     if json_output:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     elif stats:
-        print_stats(result, config, spec.dtype_choice, spec.row_padding)
+        print_stats(result, config, spec.dtype_choice, spec.row_padding, spec.device_type)
 
 
-def print_stats(result, config, dtype_choice=None, row_padding=None) -> None:
+def print_stats(result, config, dtype_choice=None, row_padding=None, device_type=None) -> None:
     s = result.stats
     table = Table(title=f"{config!r}", show_header=False, title_justify="left")
     rows = [
@@ -193,6 +193,11 @@ def print_stats(result, config, dtype_choice=None, row_padding=None) -> None:
     for name, value in rows:
         table.add_row(name, value)
     err.print(table)
+    if device_type is not None and config.preset == "machine":  # whose measured settings the method ran with
+        from speculum.methods import machine_class
+
+        klass = machine_class(device_type)
+        err.print(f"defaults: measured for {klass} (preset=paper: the published ones)", markup=False)
     if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why

@@ -55,6 +55,8 @@ DEFAULT_METHOD = "auto"
 # the setting measured best there, chosen on tuning prompts, never on the report sets (BENCHMARKS.md,
 # issue #18). A setting is one combination: when a config gives any of its parameters, the rest
 # stay the published ones (a fixed length policy must not inherit a confidence stop's bound of 20).
+# A machine class ("cpu/avx2", see machine_class) listed here replaces its device's setting of each
+# method it names, whole.
 PRESETS = ("machine", "paper")
 MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
@@ -84,6 +86,17 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         # more accepted tokens for Gemma's shipped module on its tuning prompts (issue #20)
         "ctc": {"tree": "prefix"},
     },
+    # AVX2-only CPUs (no AVX-512), where verifying a tree costs more per node than on the AVX-512
+    # hosts the settings above were measured on (Gemma 3 270M in float32: a 13-node lookahead
+    # forward 1.6 plain steps). Chosen on the tuning prompts (MBPP 1-5, MT-bench 101-105, WMT16
+    # 21-25; 128 tokens), issue #18, twenty-fourth pass
+    "cpu/avx2": {
+        # one Jacobi column of 3 levels and the prompt's n-grams in the pool: 1.02/1.35/1.50x plain
+        # where W=N=G=4 gave 0.96/1.13/1.11x (W=2 1.02/1.29/1.46x; without the prompt's n-grams,
+        # 3x3x3 1.02/1.17/1.28x). The window's probes cost 3 nodes instead of 12, and on a CPU the
+        # guesses, not the window, bring most accepted tokens
+        "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
+    },
 }
 
 
@@ -96,12 +109,28 @@ SAMPLED_MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def machine_class(device_type: str | None) -> str:
+    """The class of machine whose measured settings apply on a device of ``device_type``: on a CPU,
+    "cpu/" and the vector instruction set torch computes with (``torch.backends.cpu.
+    get_cpu_capability()``: "cpu/avx2", "cpu/avx512", ...; ``ATEN_CPU_CAPABILITY`` overrides it),
+    since what a tree of n nodes costs to verify against one token differs most between them
+    (BENCHMARKS.md, issue #18); elsewhere the device type itself."""
+    if device_type != "cpu":
+        return device_type or ""
+    import torch
+
+    return "cpu/" + torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+
+
 def machine_defaults(method: str, device_type: str | None, sampled: bool = False) -> dict[str, Any]:
     """The measured setting of ``method`` on a device of ``device_type`` ("cpu", "cuda") for greedy
-    or ``sampled`` requests, or {}."""
-    measured = dict(MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
-    if sampled:
-        measured.update(SAMPLED_MACHINE_DEFAULTS.get(device_type or "", {}).get(method, {}))
+    or ``sampled`` requests, or {}: its machine class's (see :func:`machine_class`) where that class
+    has one for the method, else the device's."""
+    klass = machine_class(device_type)
+    where = klass if method in MACHINE_DEFAULTS.get(klass, {}) else device_type or ""
+    measured = dict(MACHINE_DEFAULTS.get(where, {}).get(method, {}))
+    if sampled:  # what changes for sampled requests over that same setting
+        measured.update(SAMPLED_MACHINE_DEFAULTS.get(where, {}).get(method, {}))
     return measured
 
 

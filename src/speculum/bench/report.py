@@ -54,6 +54,7 @@ def machine_info() -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["threads"] = torch.get_num_threads()
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # which machine defaults apply
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
@@ -273,7 +274,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
             f"- resumed: {r.get('records')} records from the run started {r.get('date')} on {earlier_cpu} "
             "(a prompt's methods always ran together, in one run)"
         )
-    machine = f"{mach.get('cpu', '?')}, {mach.get('threads', '?')} threads"
+    capability = f" ({mach['cpu_capability']})" if mach.get("cpu_capability") else ""
+    machine = f"{mach.get('cpu', '?')}{capability}, {mach.get('threads', '?')} threads"
     if mach.get("gpu"):
         machine += f", GPU {mach['gpu']}"
     versions = ", ".join(f"{k} {mach[k]}" for k in ("python", "torch", "transformers", "speculum") if mach.get(k))
