@@ -91,10 +91,10 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # forward 1.6 plain steps). Chosen on the tuning prompts (MBPP 1-5, MT-bench 101-105, WMT16
     # 21-25; 128 tokens), issue #18, twenty-fourth pass
     "cpu/avx2": {
-        # one Jacobi column of 3 levels and the prompt's n-grams in the pool: 1.02/1.35/1.50x plain
-        # where W=N=G=4 gave 0.96/1.13/1.11x (W=2 1.02/1.29/1.46x; without the prompt's n-grams,
-        # 3x3x3 1.02/1.17/1.28x). The window's probes cost 3 nodes instead of 12, and on a CPU the
-        # guesses, not the window, bring most accepted tokens
+        # one Jacobi column of 3 levels and the prompt's n-grams in the pool: 1.02/1.35/1.47x plain
+        # where W=N=G=4 gave 0.97/1.13/1.11x (W=2 1.02/1.29/1.44x; without the prompt's n-grams,
+        # 3x3x3 1.03/1.17/1.26x; benchmarks/results/issue18-gemma-avx2-fp32-lookahead-tuning-p24.md).
+        # The window's probes verify 3 nodes instead of 12, and the guesses bring most accepted tokens
         "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
     },
 }
