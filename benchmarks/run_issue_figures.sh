@@ -603,3 +603,28 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-p23 \
   --methods "autoregressive,hf_generate,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
 python benchmarks/controller_bars.py $OUT/i18/gemma-avx2-t1-p23/summary.json
+# ---- issue #18, twenty-fourth pass (AVX2 host, float32): machine classes; lookahead tuned on the tuning prompts
+# (MBPP 1-5, MT-bench 101-105 and WMT16 21-25 as /tmp/mt101-105.jsonl and /tmp/wmt21-25.jsonl, see above), then its
+# report sets greedy and at T=1 with the old setting beside it; auto's draft-model stop re-checked; the Qwen pair at T=1
+speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/gemma-avx2-lookahead-tuning-p24 --methods "autoregressive,lookahead,\
+lookahead:window_size=3,ngram_size=3,guess_set_size=3,lookahead:window_size=2,ngram_size=4,guess_set_size=4,\
+lookahead:window_size=4,ngram_size=4,guess_set_size=4,pool_from_prompt=true,\
+lookahead:window_size=3,ngram_size=3,guess_set_size=3,pool_from_prompt=true"
+speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/gemma-avx2-lookahead-tuning2-p24 --methods "autoregressive,\
+lookahead:window_size=3,ngram_size=3,guess_set_size=3,pool_from_prompt=true,\
+lookahead:window_size=2,ngram_size=4,guess_set_size=4,pool_from_prompt=true,\
+lookahead:window_size=2,ngram_size=3,guess_set_size=3,pool_from_prompt=true,\
+lookahead:window_size=2,ngram_size=4,guess_set_size=2,pool_from_prompt=true,\
+lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl,mbpp \
+  --limit 5 --max-new-tokens 64 --out $OUT/i18/qwen-avx2-auto-tuning-p24 \
+  --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true,auto:draft_confidence=0.5"
+speculum bench $G22 --out $OUT/i18/gemma-avx2-greedy-lookahead-p24 \
+  --methods "autoregressive,hf_generate,lookahead,lookahead:window_size=4,ngram_size=4,guess_set_size=4"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-lookahead-p24 \
+  --methods "autoregressive,hf_generate,lookahead,lookahead:window_size=4,ngram_size=4,guess_set_size=4"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 --limit 5 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx2-t1-chat-p24 \
+  --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
