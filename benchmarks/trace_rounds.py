@@ -2,6 +2,7 @@
 
     python benchmarks/trace_rounds.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --methods "autoregressive;auto;draft_model" --dataset mt_bench --limit 5 --out trace.jsonl
+    (add --temperature 1 --seed 0 for sampled requests)
 
 One JSON line per generation: the method, the prompt, tokens/s, and per round whether the drafter was
 asked, the tree verified (nodes, root included), the tokens committed, the forward's, the drafting's
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded requests")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="a .jsonl file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,7 +105,8 @@ def main() -> None:
                 for method in methods:
                     _rounds.clear()
                     began = time.perf_counter()
-                    result = spec.generate(ids, method=method, max_new_tokens=args.max_new_tokens)
+                    sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature > 0 else {}
+                    result = spec.generate(ids, method=method, max_new_tokens=args.max_new_tokens, **sampling)
                     wall = time.perf_counter() - began
                     line = {"dataset": prompt.dataset, "question_id": prompt.question_id, "method": method,
                             "new_tokens": len(result.token_ids), "tokens_per_second": len(result.token_ids) / wall,
