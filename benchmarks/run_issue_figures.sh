@@ -628,3 +628,8 @@ speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx2-t1-lookah
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 --limit 5 \
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx2-t1-chat-p24 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/trace_rounds.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --methods "autoregressive;auto;draft_model" --dataset mt_bench --limit 5 --temperature 1 --seed 0 --out $OUT/i18/trace-mt-t1-p24.jsonl
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl \
+  --limit 5 --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx2-auto-tuning-t1-p24 \
+  --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true"
