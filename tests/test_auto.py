@@ -238,12 +238,43 @@ def test_the_draft_model_and_heads_are_gated_apart():
     drafter.groups = ["heads", "draft model"]
     assert drafter.gate(1, "heads") is not drafter.gate(1, "draft model")
     assert drafter.gate(1) is drafter.gate(1, "heads")  # the first group, by default
-    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8)
+    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams())
     assert drafter.propose(ctx).tokens == [5, 7, 6]  # every group runs while nothing says otherwise
     drafter.gate(1, "heads")._skip = 10_000  # the heads stopped paying
     assert drafter.propose(ctx).tokens == [5, 7]
     drafter.gate(1, "draft model")._skip = 10_000
     assert drafter.propose(ctx).tokens == [7]
+
+
+def test_a_sampled_round_that_runs_the_draft_model_verifies_its_draft_alone():
+    """At T > 0 the other drafters' nodes would only be tried after the draft's sample is rejected:
+    a round that runs the draft model proposes its draft alone, and the heads' gate learns nothing
+    from it; without the draft model the others propose as before."""
+    from types import SimpleNamespace
+
+    from speculum.drafters.auto import _Part
+
+    drafter = AutoDrafter.__new__(AutoDrafter)
+    drafter.options, drafter._gates = Options(), {}
+    parts = {"anpd": [7], "medusa": [6], "draft_model": [5]}
+    drafter.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
+    drafter.groups = ["heads", "draft model"]
+    sampled = SamplingParams(temperature=1.0)
+    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=sampled)
+    assert drafter.propose(ctx).tokens == [5]
+    assert drafter.parts[0].draft is None and drafter.parts[1].draft is None  # they did not run
+    assert set(drafter._deciding) == {"draft model"}  # the heads' gate is not told about this round
+    drafter.gate(1, "draft model")._skip = 10_000
+    assert drafter.propose(ctx).tokens == [7, 6]
+    assert set(drafter._deciding) == {"heads", "draft model"}
+    # rows of a batch decide each by their own sampling
+    twin = AutoDrafter.__new__(AutoDrafter)
+    twin.options, twin._gates, twin.groups = Options(), drafter._gates, drafter.groups
+    twin.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
+    drafter.gate(2, "draft model")._skip = 0
+    greedy = SimpleNamespace(rows=2, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams())
+    rows = AutoDrafter.propose_rows([drafter, twin], [SimpleNamespace(**{**vars(ctx), "rows": 2}), greedy])
+    assert [d.tokens for d in rows] == [[5], [5, 7, 6]]
 
 
 def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
@@ -268,7 +299,7 @@ def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     for _ in range(10):  # rounds with the draft model: 2 tokens in 0.012 s; without it: 1 in 0.010 s
         gate._learn(True, 2.0, 0.012, 1, (1.0, 0.010, 1))
     saving, step = 0.010 - 0.006, 0.010  # seconds a token
-    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=200)
+    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=200, sampling=SamplingParams())
     assert drafter.propose(ctx).tokens == [5, 7]  # request lengths unknown: 200 tokens may be left
     drafter._proposed = False
     assert 10 * saving < catch_up < 200 * saving  # 10 tokens a request: the catch-up does not pay

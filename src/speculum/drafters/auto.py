@@ -15,7 +15,9 @@ layers and an output layer as wide as the vocabulary) propose only while the rou
 have paid more per second than the same rounds would have without them (measured goodput against
 the round with their drafting, their nodes' share of the forward and the tokens only they brought
 taken out; explored again after a back-off of 1, 2, 4, ... rounds, as the controller does for
-drafting at all), the draft model and the heads each judged apart (``GATE_GROUPS``). The proposals are
+drafting at all), the draft model and the heads each judged apart (``GATE_GROUPS``). A sampled round that runs the
+draft model verifies its draft alone: beside a sampled chain the others' nodes are tried only
+after the sample is rejected, where they rarely pay for their share of the forward. The proposals are
 merged into one draft, the draft model's chain first: a deterministic node (n-gram, heads) becomes
 one with an earlier node holding its token below the same parent (the draft model's, else the
 first drafter listed keeps it), sampled branches stay apart (each is an independent sample, which
@@ -57,6 +59,7 @@ DRAFT_MODEL_PARTS = ("draft_model", "ouroboros")
 # heads beside it do not (their tokens are tried after the draft's sample is rejected, against what
 # is left of p: 7 of 142 accepted tokens, issue #18), while greedy both add
 GATE_GROUPS = {"draft_model": "draft model", "ouroboros": "draft model", "medusa": "heads", "ctc": "heads"}
+DRAFT_MODEL_GROUP = GATE_GROUPS["draft_model"]
 
 
 @dataclass
@@ -310,6 +313,7 @@ class AutoDrafter(Drafter):
         self._used: dict[str, bool] = {}  # group -> whether it runs this round
         self._drafting: dict[str, float] = {}  # group -> seconds its drafters took this round (this row's)
         self._proposed = False  # propose ran this round (the controller may have chosen a plain step)
+        self._chain_alone = False  # this round verifies the draft model's draft alone (see _decide)
         self._round_start = 0.0
 
     @property
@@ -342,13 +346,26 @@ class AutoDrafter(Drafter):
         return by_batch_size(learned, rows, lambda: ModelGate(self.options.max_backoff))
 
     def _runs(self, part: _Part) -> bool:
-        """Whether ``part`` proposes this round (the cheap ones always)."""
+        """Whether ``part`` proposes this round (the cheap ones always, but for a sampled round
+        that runs the draft model, which verifies its draft alone)."""
+        if self._chain_alone:
+            return part.name in DRAFT_MODEL_PARTS
         return part.name not in GATE_GROUPS or self._used[GATE_GROUPS[part.name]]
 
-    def _decide(self, gates: dict[str, ModelGate], used: dict[str, bool]) -> None:
-        """This round's decisions (``used``: ``gates``' ``use``, made once for every row of a batch)."""
+    def _decide(self, gates: dict[str, ModelGate], used: dict[str, bool], sampled: bool) -> None:
+        """This round's decisions (``used``: ``gates``' ``use``, made once for every row of a batch).
+
+        A ``sampled`` round that runs the draft model verifies the draft model's draft alone: the
+        other drafters' nodes beside its sampled chain are tried only once the target rejects the
+        sample, against what is left of p, and at T=1 they were rarely accepted there while their
+        drafting and their share of the forward made auto's draft-model rounds cost 0.56-0.67 s
+        against 0.38-0.47 s for ``draft_model``'s, for the same tokens (Qwen pair, MT-bench; issue
+        #18, twenty-fourth pass). The heads' gate does not learn from such a round."""
         self._round_start = time.perf_counter()
         self._proposed = True
+        self._chain_alone = sampled and used.get(DRAFT_MODEL_GROUP, False)
+        if self._chain_alone:
+            gates = {DRAFT_MODEL_GROUP: gates[DRAFT_MODEL_GROUP]}
         self._deciding, self._used = gates, used
         self._drafting = {}
         self.catch_up_seconds = 0.0
@@ -378,7 +395,7 @@ class AutoDrafter(Drafter):
                     used[group] = gate.worth_catching_up(catch_up, generated, left)
                 if used[group]:
                     gate.catch_up_rule.used(generated)
-        self._decide(gates, used)
+        self._decide(gates, used, not ctx.sampling.greedy)
         for part in self.parts:
             if not self._runs(part):
                 continue
@@ -399,8 +416,8 @@ class AutoDrafter(Drafter):
         gates = {group: drafters[0].gate(ctxs[0].rows, group) for group in drafters[0].groups}
         used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
         # draft model runs for all of them or none
-        for drafter in drafters:
-            drafter._decide(gates, used)
+        for drafter, ctx in zip(drafters, ctxs, strict=True):
+            drafter._decide(gates, used, not ctx.sampling.greedy)
         for k in range(len(drafters[0].parts)):
             rows = [(d, ctx) for d, ctx in zip(drafters, ctxs, strict=True) if d._runs(d.parts[k])]
             if not rows:
