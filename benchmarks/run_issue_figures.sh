@@ -633,9 +633,11 @@ python benchmarks/trace_rounds.py --model qwen2.5-coder-1.5b --draft qwen2.5-cod
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl \
   --limit 5 --max-new-tokens 64 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx2-auto-tuning-t1-p24 \
   --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true"
-# ---- issue #18, twenty-fifth pass (AVX2 host, float32): a sampled round of auto that runs the draft model verifies
+# ---- issue #18, twenty-fifth pass (float32): a sampled round of auto that runs the draft model verifies
 # its draft alone; the tuning prompts at T=1 (auto with Ouroboros as its draft-model part, and with draft_model), then
-# the Qwen pair's four report sets at T=1
+# the Qwen pair's four report sets at T=1. The tuning run was made on the AVX2 host (its output lost with the
+# machine), then both on an AVX-512 host without bf16, as qwen-avx512-auto-tuning-t1-p25 and qwen-avx512-t1-p25,
+# the report sets first
 printf '{"format": "speculum-config", "version": 1, "method": "auto", "params": {"drafters": "anpd,prompt_lookup,medusa,draft_model"}}' \
     > $OUT/i18/auto-dm.json
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl,mbpp \
