@@ -316,6 +316,24 @@ def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     assert runs == [True] + ([False] * without + [True]) * 2
 
 
+def test_the_catch_up_rule_weighs_a_longer_memory_than_the_gates_last_window():
+    """A draft model that paid over many rounds still starts a request after the gate stopped it on
+    a short losing window: the gate stops right after such a window, and the catch-up rule reading
+    that window kept the draft model off for whole requests at T=1. A long losing record still
+    keeps it off."""
+    gate = ModelGate()
+    for _ in range(40):  # with the draft model: 2 tokens in 0.012 s; without: 1 in 0.010 s
+        gate._learn(True, 2.0, 0.012, 1, (1.0, 0.010, 1))
+    while gate._skip == 0:  # a bad patch: 1 token in 0.014 s, until the gate stops the group
+        gate._learn(True, 1.0, 0.014, 1, (1.0, 0.010, 1))
+    assert gate.with_model.rate < gate.without_model.rate  # the window the gate stopped on lost
+    catch_up, left = 0.2, 100  # at the long-run saving (~0.004 s a token) 100 tokens pay 0.2 s
+    assert gate.worth_catching_up(catch_up, 0, left)
+    for _ in range(120):  # it keeps losing
+        gate._learn(True, 1.0, 0.014, 1, (1.0, 0.010, 1))
+    assert not gate.worth_catching_up(catch_up, 0, left)
+
+
 def test_a_groups_round_without_it_is_estimated_on_the_same_round():
     """What heads brought in a round: the accepted path cut before their first own node (the target's
     token committed there instead), their drafting and their nodes' share of the forward saved."""

@@ -712,8 +712,8 @@ def test_a_catch_up_asking_would_not_win_back_is_skipped():
     # asking gives 1.25 tokens per 0.011 s against a plain step's 0.010 s: it saves ~1.2 ms a token
     run_rounds(controller, 40, accepted_of=lambda i: 1 if i % 4 == 0 else 0, drafted=1, seconds=0.010,
                draft_seconds=0.001)  # fmt: skip
-    assert controller.asked.rate > controller.plain_rate()
-    saving = 1 / controller.plain_rate() - 1 / controller.asked.rate
+    assert controller.asked_long.rate > controller.plain_rate()  # the catch-up rule's memory
+    saving = 1 / controller.plain_rate() - 1 / controller.asked_long.rate
     controller.start()
     # nothing known of request lengths yet: the tokens left decide
     assert controller.wants_draft(catch_up=0.9 * saving * 100, tokens_left=100)
@@ -726,6 +726,22 @@ def test_a_catch_up_asking_would_not_win_back_is_skipped():
     assert controller.typical_length < 20
     assert not controller.wants_draft(catch_up=0.9 * saving * 100, tokens_left=100)
     assert controller.wants_draft(catch_up=0.9 * saving * 10, tokens_left=100)
+
+
+def test_a_catch_up_is_judged_on_more_rounds_than_the_last_losing_window():
+    """The controller stops asking right after a window of rounds that lost; the catch-up rule
+    weighs a longer memory, so a drafter that paid over many rounds still starts the next request
+    (reading that window, a 0.5B draft sat out whole requests at T=1, issue #18)."""
+    controller = Controller(FLAT, carry_backoff=True)
+    run_rounds(controller, 40, accepted_of=lambda i: 1, drafted=1, seconds=0.010, draft_seconds=0.001)
+    for _ in range(100):  # a bad patch: nothing accepted, until the controller stops asking
+        if not run_rounds(controller, 1, accepted_of=lambda i: 0, drafted=1, seconds=0.010, draft_seconds=0.004)[0]:
+            break  # it stopped (a back-off of plain rounds)
+    assert controller.asked.rate < controller.plain_rate() * (1 + controller.margin)  # the window it stopped on
+    assert controller.asked_long.rate > controller.plain_rate()
+    controller.start()
+    # the long memory saves ~3.6 ms a token, 0.36 s over 100 tokens; the last window ~0.1 ms, 0.01 s
+    assert controller.wants_draft(catch_up=0.05, tokens_left=100)
 
 
 def test_requests_that_skip_the_catch_up_probe_again_by_the_tokens_decoded_without():

@@ -78,6 +78,11 @@ LENGTH_SMOOTHING = 0.3  # weight of the last finished request in the typical req
 # workload switch (chat, where drafting lost, then code) long requests probe within one or two of
 # them, where a count of requests had left 4 MBPP requests undrafted (issue #18, eighteenth pass)
 CATCH_UP_PROBE_SHARE = 0.02
+# weight of a round in the catch-up rule's memory of what drafting gives (about 30 rounds; the
+# verdicts to draft or not weigh one by 0.15, about 7). A drafter is stopped right after a window of
+# rounds that lost, and a catch-up rule reading that very window kept the Qwen 0.5B draft off for
+# whole requests at T=1 where it pays (issue #18, twenty-fifth pass)
+LONG_SMOOTHING = 0.03
 
 
 @dataclass
@@ -343,6 +348,7 @@ class Controller:
         # the goodput of the rounds that asked the drafter: acceptance comes in bursts, so one round
         # says little; ~7 rounds of memory (goodput_smoothing), no verdict on fewer than min_evidence
         self.asked = Goodput(goodput_smoothing, min_evidence)
+        self.asked_long = Goodput(LONG_SMOOTHING, min_evidence)  # the same rounds, for the catch-up rule
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
         # a drafter that always pays is never backed off, so no plain round would ever be measured and
         # the goodput it must beat would rest on the cost model's t(1), one measurement of a few
@@ -372,7 +378,7 @@ class Controller:
         calibration, cost model and batch verdicts shared with this one (what is learned per
         configuration)."""
         row = copy.copy(self)
-        row.asked = copy.copy(self.asked)
+        row.asked, row.asked_long = copy.copy(self.asked), copy.copy(self.asked_long)
         row.backoff = copy.deepcopy(self.backoff)
         return row
 
@@ -440,9 +446,9 @@ class Controller:
         about two plain steps of the 1.5B target, and at T=1 drafting saves a few percent of a step
         per token: on translations of 10-30 tokens it was lost before it was won back (draft_model
         0.91x plain on WMT16). Unknown goodput, or a probe due: ask (what asking gives is measured
-        again)."""
-        rate, step = self.asked.rate, 1.0 / self.plain_rate()
-        saving = step - 1.0 / rate if rate is not None and self.asked.judged else None
+        again). Judged on the longer memory of the asked rounds (``LONG_SMOOTHING``)."""
+        rate, step = self.asked_long.rate, 1.0 / self.plain_rate()
+        saving = step - 1.0 / rate if rate is not None and self.asked_long.judged else None
         return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left, step)
 
     def chain_stop(self, source: str = "draft_model") -> ChainStop:
@@ -640,6 +646,7 @@ class Controller:
             self._calibrate(tree, path, draft)
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
+        self.asked_long.add(committed, round_seconds)
         loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
         self.backoff.note(loss, self.probing, self.asked.min_evidence)
         self.probing = False

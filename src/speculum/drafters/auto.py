@@ -38,7 +38,7 @@ from typing import ClassVar
 
 import torch
 
-from speculum.controller import Backoff, CatchUpRule, Goodput, by_batch_size
+from speculum.controller import LONG_SMOOTHING, Backoff, CatchUpRule, Goodput, by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
 from speculum.errors import InvalidInputError, SpeculumError
 
@@ -179,6 +179,10 @@ class ModelGate:
         self.refresh = refresh
         self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
         self.with_model, self.without_model = Goodput(), Goodput()
+        # the same rounds over a longer memory, never restarted, for the catch-up rule: the gate stops
+        # the group right after a window of rounds that lost, and a rule reading that very window kept
+        # the draft model off for whole requests at T=1 (issue #18, twenty-fifth pass)
+        self.with_model_long, self.without_model_long = Goodput(LONG_SMOOTHING), Goodput(LONG_SMOOTHING)
         self.backoff = Backoff(max_backoff, exploration)  # its losses: rounds without the model each lost
         self._skip, self._probe = 0, False
         self._refreshing = False  # the rounds skipped are a refresh of the other side, not a back-off
@@ -192,9 +196,9 @@ class ModelGate:
     def worth_catching_up(self, catch_up: float, generated: int, tokens_left: int) -> bool:
         """Whether using the group now, when it must first catch up for ``catch_up`` seconds, pays
         over what the request likely has left (``CatchUpRule``, on the rounds with the group
-        against those without)."""
-        with_rate, without_rate = self.with_model.rate, self.without_model.rate
-        known = with_rate is not None and without_rate is not None and self.with_model.judged
+        against those without, over the longer memory)."""
+        with_rate, without_rate = self.with_model_long.rate, self.without_model_long.rate
+        known = with_rate is not None and without_rate is not None and self.with_model_long.judged
         saving = 1.0 / without_rate - 1.0 / with_rate if known else None  # seconds per token
         step = 1.0 / without_rate if known else 0.0
         return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left, step)
@@ -238,11 +242,14 @@ class ModelGate:
     ) -> None:
         if not used:
             self.without_model.add(tokens, seconds, rows=rows)
+            self.without_model_long.add(tokens, seconds, rows=rows)
             return
         if without is not None:
             # measured on these very rounds (a probe restarts both sides alike)
             self.without_model.add(without[0], without[1], fresh=self._probe, rows=without[2])
+            self.without_model_long.add(without[0], without[1], rows=without[2])
         self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
+        self.with_model_long.add(tokens, seconds, rows=rows)
         cheap = self.without_model.rate
         if cheap is not None:  # rounds without the model this one round lost, per row
             self.backoff.note(seconds * cheap - tokens, self._probe, self.with_model.min_evidence)
