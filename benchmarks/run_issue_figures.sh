@@ -646,3 +646,7 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
   --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx2-t1-p25 \
   --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+# the catch-up rule on a longer memory (auto's gates): the chat and translation report sets at T=1 again
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-p25b \
+  --methods "autoregressive,draft_model,auto"
