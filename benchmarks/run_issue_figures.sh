@@ -654,3 +654,12 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 \
   --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-p25c \
   --methods "autoregressive,draft_model"
+# ---- issue #18, twenty-sixth pass (float32, the AVX-512 Xeon without bf16): both changes of the twenty-fifth pass
+# (a sampled draft-model round verifies its draft alone; the catch-up rule on a longer memory), every method on the
+# Qwen pair's four report sets, T=1 then greedy; then what a verification costs with stock and prepacked float32
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-p26 \
+  --methods "autoregressive,hf_assisted,draft_model,ouroboros,auto"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-avx512-greedy-p26 \
+  --methods "autoregressive,hf_generate,hf_assisted,prompt_lookup,anpd,draft_model,ouroboros,auto"

@@ -146,8 +146,9 @@ class _FakeRunner:
     """Stands in for ModelRunner in the padding measurement: a packed model whose forwards take the
     time ``cost(width, padded)`` (advanced on a fake clock), so the decision is deterministic."""
 
-    def __init__(self, cost, clock):
+    def __init__(self, cost, clock, dense_cost=None):
         self.model = tiny_model("llama")
+        self.dense_cost = dense_cost
         accel.prepack(self.model)
         self.input_device = torch.device("cpu")
         self.dtype = torch.float32
@@ -162,7 +163,10 @@ class _FakeRunner:
 
     def forward(self, cache, ids):
         self.forwards += 1
-        self.clock.now += self.cost(len(ids), accel.min_rows(self.model) > 1)
+        if self.dense_cost is not None and accel.dense_rows(self.model):
+            self.clock.now += self.dense_cost(len(ids))
+        else:
+            self.clock.now += self.cost(len(ids), accel.min_rows(self.model) > 1)
         return self.real.forward(cache, ids)
 
 
@@ -188,7 +192,8 @@ def test_padding_is_chosen_where_it_measures_faster_and_cached(fake_clock):
     runner = _FakeRunner(lambda width, padded: 0.10 if padded else 0.13 + 0.02 * width, fake_clock)
     choice = accel.choose_row_padding(runner)
     assert choice.rows == 4 and accel.min_rows(runner.model) == 4 and not choice.cached
-    assert choice.ms == {"1": 150.0, "1 padded": 100.0, "2": 170.0, "2 padded": 100.0}
+    assert choice.ms == {"1": 150.0, "1 padded": 100.0, "2": 170.0, "2 padded": 100.0, "1 dense": 150.0,
+                         "2 dense": 170.0}  # fmt: skip
     assert "padded to 4" in choice.describe()
     timed = runner.forwards
     again = _FakeRunner(lambda width, padded: 1.0, fake_clock)  # same machine key: read, not measured
@@ -204,10 +209,87 @@ def test_padding_is_left_off_where_it_does_not_pay_and_env_overrides(fake_clock,
     assert choice.rows == 1 and accel.min_rows(runner.model) == 1 and "no padding" in choice.describe()
     monkeypatch.setenv(accel.PAD_ENV, "on")
     assert accel.choose_row_padding(runner).rows == 4 and accel.min_rows(runner.model) == 4
+    monkeypatch.setenv(accel.PAD_ENV, "dense")
+    choice = accel.choose_row_padding(runner)
+    assert choice.dense_rows == 2 and accel.min_rows(runner.model) == 1 and accel.dense_rows(runner.model) == 2
     monkeypatch.setenv(accel.PAD_ENV, "0")
     forwards = runner.forwards
     assert accel.choose_row_padding(runner).rows == 1 and accel.min_rows(runner.model) == 1
-    assert runner.forwards == forwards  # neither override measures
+    assert runner.forwards == forwards  # no override measures
+    assert accel.dense_rows(runner.model) == 0
+
+
+def test_the_stock_kernel_is_chosen_for_small_forwards_where_it_measures_faster(fake_clock, monkeypatch):
+    """Where the stock kernel runs one- and two-token forwards faster than the packed one (MKL on an
+    AVX-512 Xeon), those run on it over dense copies of the weights; wider forwards stay packed. No
+    dense copies are kept where they would not fit in memory, or where they do not pay."""
+    runner = _FakeRunner(lambda width, padded: 0.15, fake_clock, dense_cost=lambda width: 0.10)
+    choice = accel.choose_row_padding(runner)
+    assert choice.dense_rows == accel.DENSE_ROWS == accel.dense_rows(runner.model) and choice.rows == 1
+    assert "stock kernel" in choice.describe() and choice.ms["1 dense"] == 100.0
+    layers = [m for m in runner.model.modules() if isinstance(m, accel.PackedLinear)]
+    assert all(m.dense_weight is not None and m.dense_rows == 2 for m in layers)
+    assert machine_key_of(runner) != machine_key_of(runner, padding=False)
+
+    slower = _FakeRunner(lambda width, padded: 0.10, fake_clock, dense_cost=lambda width: 0.15)
+    monkeypatch.setattr(accel, "_padding_path", lambda r: fake_clock_path(r, "slower"))
+    choice = accel.choose_row_padding(slower)
+    assert choice.dense_rows == 0 and accel.dense_rows(slower.model) == 0 and "1 dense" in choice.ms
+    assert all(m.dense_weight is None for m in slower.model.modules() if isinstance(m, accel.PackedLinear))
+
+    monkeypatch.setattr(accel, "DENSE_MEMORY_SHARE", 0.0)  # no room for the copies: not even measured
+    monkeypatch.setattr(accel, "_padding_path", lambda r: fake_clock_path(r, "no room"))
+    cramped = _FakeRunner(lambda width, padded: 0.15, fake_clock, dense_cost=lambda width: 0.10)
+    choice = accel.choose_row_padding(cramped)
+    assert choice.dense_rows == 0 and "1 dense" not in choice.ms
+
+
+def machine_key_of(runner, **kw):
+    from speculum.costs import machine_key
+
+    return machine_key(runner, **kw)
+
+
+def fake_clock_path(runner, name):
+    import speculum.costs
+
+    return speculum.costs.cache_dir() / f"rows-{name}.json"
+
+
+def test_dense_small_forwards_give_the_stock_kernels_results():
+    """A layer with ``dense_rows=2`` computes 1-2 rows exactly as ``nn.Linear`` does and wider inputs
+    on the packed kernel as before; ``set_dense_rows(model, 0)`` drops the copies."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    layer = accel.PackedLinear(linear)
+    x = torch.randn(5, 64)
+    packed = {rows: layer(x[:rows]) for rows in range(1, 6)}
+    model = torch.nn.Sequential(layer)
+    assert accel.set_dense_rows(model, 2) == 1 and accel.dense_rows(model) == 2
+    for rows in (1, 2):
+        assert torch.equal(layer(x[:rows][None]), linear(x[:rows][None]))
+    for rows in (3, 4, 5):
+        assert torch.equal(layer(x[:rows]), packed[rows])
+    assert "dense_rows=2" in repr(layer) and torch.equal(layer.to_linear().weight, linear.weight)
+    accel.set_dense_rows(model, 0)
+    assert layer.dense_weight is None and torch.equal(layer(x[:1]), packed[1])
+
+
+def test_methods_stay_exact_with_dense_small_forwards():
+    """Plain decoding's one-token steps on the stock kernel, verification of wider drafts packed:
+    greedy output still equals plain greedy decoding's (float32), for chains and trees."""
+    model = tiny_model("qwen2")
+    draft = perturbed_copy(model, 0.4)
+    accel.prepack(model)
+    accel.prepack(draft)
+    accel.set_dense_rows(model, 2)
+    accel.set_dense_rows(draft, 2)
+    prompt = repetitive_prompt(30, 7, 1)
+    plain = generate_ids(model, prompt, build_drafter("autoregressive", draft, VOCAB), 40)[0]
+    for method in ["prompt_lookup", "anpd", "draft_model", "lookahead"]:
+        ids, stats = generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)
+        assert ids == plain, method
+    assert stats.target_forwards < 40
 
 
 def test_an_unreadable_padding_cache_is_measured_again(fake_clock):

@@ -44,8 +44,11 @@ logger = logging.getLogger("speculum")
 
 PAD_ROWS = 4  # forwards over fewer rows run as this many where that measures faster
 PAD_MARGIN = 0.03  # padding must measure at least this much faster (a wrong call costs a few %)
-PAD_ENV = "SPECULUM_ROW_PADDING"  # "0"/"off": never; "on": always (not measured); "refresh": measure again
-_PAD_VERSION = 1
+PAD_ENV = "SPECULUM_ROW_PADDING"  # "0"/"off": never; "on": always (not measured); "refresh": measure again;
+# "dense": one- and two-row forwards on the stock kernel (not measured)
+_PAD_VERSION = 2  # 2: the stock kernel for one- and two-row forwards is a candidate too
+DENSE_ROWS = 2  # forwards of at most this many rows may run on the stock kernel (a dense copy of the weight)
+DENSE_MEMORY_SHARE = 0.5  # the dense copies are only tried if they take at most this share of the free memory
 
 
 class PackedLinear(nn.Module):
@@ -58,9 +61,15 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
         self.min_rows = 1  # inputs of fewer rows are padded to this many (see choose_row_padding)
+        # inputs of at most this many rows run on the stock kernel, over a dense copy of the weight
+        # (see choose_row_padding: on some CPUs MKL's one-row kernel beats oneDNN's packed one)
+        self.dense_rows = 0
+        self.dense_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if 0 < rows <= self.dense_rows and self.dense_weight is not None:
+            return torch.nn.functional.linear(x, self.dense_weight, self.bias)
         if 0 < rows < self.min_rows:  # a kernel for more rows that runs faster: pad with zero rows
             flat = x.reshape(rows, self.in_features)
             flat = torch.cat([flat, flat.new_zeros(self.min_rows - rows, self.in_features)])
@@ -70,12 +79,14 @@ class PackedLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(self.packed_weight.to_dense(), requires_grad=False)
+        dense = self.dense_weight if self.dense_weight is not None else self.packed_weight.to_dense()
+        linear.weight = nn.Parameter(dense, requires_grad=False)
         linear.bias = self.bias
         return linear
 
     def extra_repr(self) -> str:
         padded = f", min_rows={self.min_rows}" if self.min_rows > 1 else ""
+        padded += f", dense_rows={self.dense_rows}" if self.dense_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{padded}"
 
 
@@ -180,19 +191,58 @@ def min_rows(model: nn.Module) -> int:
     return max((m.min_rows for m in model.modules() if isinstance(m, PackedLinear)), default=1)
 
 
+def set_dense_rows(model: nn.Module, rows: int) -> int:
+    """Run every packed layer's inputs of at most ``rows`` rows on the stock kernel (0: never), keeping
+    a dense copy of each weight for it (made here, dropped again with ``rows=0``); returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    with torch.no_grad():
+        for layer in layers:
+            if rows and layer.dense_weight is None:
+                layer.dense_weight = layer.packed_weight.to_dense()
+            elif not rows:
+                layer.dense_weight = None
+            layer.dense_rows = rows
+    return len(layers)
+
+
+def dense_rows(model: nn.Module) -> int:
+    """How many rows ``model``'s packed layers run on the stock kernel at most (0: none, or not packed)."""
+    return max((m.dense_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
+
+
+def _dense_copies_fit(model: nn.Module) -> bool:
+    """Whether dense copies of the packed weights take at most ``DENSE_MEMORY_SHARE`` of the free memory."""
+    from speculum.models.dtypes import _available_memory
+
+    free = _available_memory()
+    need = sum(
+        m.in_features * m.out_features * m.packed_weight.element_size()
+        for m in model.modules()
+        if isinstance(m, PackedLinear)
+    )
+    return free is not None and need <= DENSE_MEMORY_SHARE * free
+
+
 @dataclass(frozen=True)
 class RowPadding:
-    """Whether a model's small forwards are padded to ``PAD_ROWS`` rows, and why
-    (``Speculum.row_padding``; ``speculum generate --stats``). ``ms``: the measured forwards (one and two
-    tokens, unpadded and padded); ``cached``: the measurement was read from the cache."""
+    """How a model's small forwards run, and why (``Speculum.row_padding``; ``speculum generate
+    --stats``): padded to ``PAD_ROWS`` rows (``rows``), on the stock kernel up to ``dense_rows`` rows,
+    or as they are. ``ms``: the measured forwards (one and two tokens, as they are, padded and on the
+    stock kernel); ``cached``: the measurement was read from the cache."""
 
     rows: int
     reason: str
     ms: dict[str, float] = field(default_factory=dict)
     cached: bool = False
+    dense_rows: int = 0
 
     def describe(self) -> str:
-        what = f"forwards of 1-{PAD_ROWS - 1} rows padded to {PAD_ROWS}" if self.rows > 1 else "no padding"
+        if self.dense_rows:
+            what = f"forwards of 1-{self.dense_rows} rows on the stock kernel (a dense copy of the weights kept)"
+        elif self.rows > 1:
+            what = f"forwards of 1-{PAD_ROWS - 1} rows padded to {PAD_ROWS}"
+        else:
+            what = "no padding"
         return f"{what} ({self.reason}{', measured earlier, cached' if self.cached and self.ms else ''})"
 
 
@@ -202,29 +252,43 @@ def _pad_setting() -> str:
         return "off"
     if value in ("1", "true", "yes", "on"):
         return "on"
-    return "refresh" if value == "refresh" else "auto"
+    return value if value in ("refresh", "dense") else "auto"
+
+
+def _set_small_forwards(model: nn.Module, mode: str) -> None:
+    """``mode``: "" (as they are), "padded" or "dense" (see ``RowPadding``)."""
+    set_min_rows(model, PAD_ROWS if mode == "padded" else 1)
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.dense_rows = DENSE_ROWS if mode == "dense" else 0
 
 
 def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPadding:
-    """Measure whether padding one- and two-token forwards to ``PAD_ROWS`` rows makes ``runner``'s
-    model faster on this machine, set it on the model's packed layers, and say why.
+    """Measure how ``runner``'s model runs its one- and two-token forwards fastest on this machine: on
+    the packed kernel as they are, padded to ``PAD_ROWS`` rows, or on the stock kernel over a dense
+    copy of the weights; set it on the model's packed layers, and say why.
 
-    The forwards are timed through the engine's own runner after 64 cached positions, padded and
-    unpadded interleaved (a slow phase of the CPU then slows both alike), the median of ``reps``
-    kept; padding is chosen when the one- and two-token forwards together measure at least
-    ``PAD_MARGIN`` faster. Decided once per machine, software and model shape (cached beside the cost
-    model), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns it off, ``=on`` pads
-    without measuring, ``=refresh`` measures again. Exactness is unaffected: every forward of the
-    model, plain decoding's included, runs on the same kernels; the padded rows are zeros whose
-    outputs are dropped."""
+    The forwards are timed through the engine's own runner after 64 cached positions, the ways
+    interleaved (a slow phase of the CPU then slows them alike), the median of ``reps`` kept; padding
+    or the stock kernel is chosen when the one- and two-token forwards together measure at least
+    ``PAD_MARGIN`` faster than as they are. The stock kernel is a candidate only where the dense
+    copies fit in memory (``DENSE_MEMORY_SHARE``): on the Intel Xeon (AVX-512, no bf16) measured here,
+    MKL ran a one-token step of the Qwen2.5-Coder 1.5B in 247 ms against oneDNN's packed 375 ms,
+    while verifying 8 tokens cost it 802 ms against 500 (issue #18, twenty-sixth pass), so the
+    verification forwards stay packed. Decided once per machine, software and model shape (cached
+    beside the cost model), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns both
+    off, ``=on`` pads and ``=dense`` uses the stock kernel without measuring, ``=refresh`` measures
+    again. The padded rows are zeros whose outputs are dropped, and plain decoding runs on the same
+    kernels as the forwards of its width in a speculative round; the stock and the packed kernel can
+    differ in the last bits of float32, as any two kernels do."""
     model = runner.model
     if not any(isinstance(m, PackedLinear) for m in model.modules()):
         return RowPadding(1, "the model is not prepacked")
     setting = _pad_setting()
-    if setting in ("off", "on"):
-        rows = PAD_ROWS if setting == "on" else 1
-        set_min_rows(model, rows)
-        return RowPadding(rows, f"{PAD_ENV}={os.environ.get(PAD_ENV)}")
+    if setting in ("off", "on", "dense"):
+        _set_small_forwards(model, "padded" if setting == "on" else "")
+        set_dense_rows(model, DENSE_ROWS if setting == "dense" else 0)
+        return RowPadding(min_rows(model), f"{PAD_ENV}={os.environ.get(PAD_ENV)}", dense_rows=dense_rows(model))
     path = _padding_path(runner)
     ms = None if setting == "refresh" else _read_padding(path)
     cached = ms is not None
@@ -233,19 +297,25 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
         try:
             ms = _time_padding(runner, reps, budget_s)
         except Exception as error:  # noqa: BLE001 - an optimisation: never a reason to fail a load
-            set_min_rows(model, 1)
+            _set_small_forwards(model, "")
+            set_dense_rows(model, 0)
             logger.warning("speculum: could not time row padding (%s: %s)", type(error).__name__, error)
             return RowPadding(1, f"measuring failed: {type(error).__name__}")
         logger.info("speculum: timed row padding in %.1f s", time.perf_counter() - start)
         _write_padding(path, ms)
-    plain, padded = ms["1"] + ms["2"], ms["1 padded"] + ms["2 padded"]
-    rows = PAD_ROWS if padded < plain * (1 - PAD_MARGIN) else 1
-    set_min_rows(model, rows)
+    totals = {mode: ms[f"1{mode}"] + ms[f"2{mode}"] for mode in ("", " padded", " dense") if f"1{mode}" in ms}
+    best = min(totals, key=totals.get)
+    if totals[best] >= totals[""] * (1 - PAD_MARGIN) or (best == " dense" and not _dense_copies_fit(model)):
+        best = ""
+    _set_small_forwards(model, best.strip())
+    set_dense_rows(model, DENSE_ROWS if best == " dense" else 0)
     reason = (
         f"one-token forward {ms['1']:.1f} ms, padded {ms['1 padded']:.1f}; "
         f"two tokens {ms['2']:.1f} ms, padded {ms['2 padded']:.1f}"
     )
-    return RowPadding(rows, reason, dict(ms), cached)
+    if "1 dense" in ms:
+        reason += f"; on the stock kernel {ms['1 dense']:.1f} and {ms['2 dense']:.1f} ms"
+    return RowPadding(min_rows(model), reason, dict(ms), cached, dense_rows(model))
 
 
 def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
@@ -257,12 +327,16 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
     cache = runner.new_cache()
     runner.prefill(cache, ids[:-2])
     past = len(ids) - 2
-    times: dict[str, list[float]] = {"1": [], "1 padded": [], "2": [], "2 padded": []}
+    modes = ["", "padded"]
+    if _dense_copies_fit(model):
+        set_dense_rows(model, DENSE_ROWS)  # the dense copies, made once for the measurement
+        modes.append("dense")
+    times: dict[str, list[float]] = {f"{width}{' ' + mode if mode else ''}": [] for mode in modes for width in (1, 2)}
     start = time.perf_counter()
     try:
         for rep in range(reps + 1):  # the first pass warms every shape up
-            for rows in (1, PAD_ROWS) if rep % 2 else (PAD_ROWS, 1):
-                set_min_rows(model, rows)
+            for mode in modes if rep % 2 else reversed(modes):
+                _set_small_forwards(model, mode)
                 for width in (1, 2):
                     began = time.perf_counter()
                     out = runner.forward(cache, ids[-width:])
@@ -270,11 +344,12 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
                     elapsed = time.perf_counter() - began
                     crop(cache, past)
                     if rep:
-                        times[f"{width}{' padded' if rows > 1 else ''}"].append(elapsed)
+                        times[f"{width}{' ' + mode if mode else ''}"].append(elapsed)
             if rep and time.perf_counter() - start > budget_s:
                 break
     finally:
-        set_min_rows(model, 1)
+        _set_small_forwards(model, "")
+        set_dense_rows(model, 0)
     return {label: round(statistics.median(values) * 1e3, 3) for label, values in times.items()}
 
 
@@ -288,7 +363,8 @@ def _read_padding(path) -> dict[str, float] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         ms = data["ms"]
-        if data.get("version") != _PAD_VERSION or set(ms) != {"1", "1 padded", "2", "2 padded"}:
+        base = {"1", "1 padded", "2", "2 padded"}
+        if data.get("version") != _PAD_VERSION or not (set(ms) == base or set(ms) == base | {"1 dense", "2 dense"}):
             raise ValueError("another version")
         if not all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in ms.values()):
             raise ValueError("bad timings")

@@ -218,11 +218,11 @@ def _cpu_identity() -> str:
 
 def machine_key(runner, *, padding: bool = True) -> str:
     """What a measured curve depends on: the model's shape and dtype, whether it is prepacked (and its
-    small forwards padded, unless ``padding=False``: the key of that decision itself), the device,
-    threads, the CPU and library versions."""
+    small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
+    itself), the device, threads, the CPU and library versions."""
     import transformers
 
-    from speculum.accel import min_rows
+    from speculum.accel import dense_rows, min_rows
 
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -237,7 +237,9 @@ def machine_key(runner, *, padding: bool = True) -> str:
     parts = [
         json.dumps(shape, sort_keys=True),
         str(runner.dtype),
-        f"packed={packed}" + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else ""),
+        f"packed={packed}"
+        + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")
+        + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else ""),
         str(device),
         f"threads={torch.get_num_threads()}",
         accelerator,

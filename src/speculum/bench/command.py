@@ -189,7 +189,7 @@ def bench(
         meta["dtype_choice"] = spec.dtype_choice.to_dict()
     for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
         if (padding := getattr(spec, name, None)) is not None:
-            meta[name] = {"rows": padding.rows, "reason": padding.describe()}
+            meta[name] = {"rows": padding.rows, "dense_rows": padding.dense_rows, "reason": padding.describe()}
     from speculum.accel import is_packed
 
     meta["prepacked"] = is_packed(spec.model)
