@@ -663,3 +663,10 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
   --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-avx512-greedy-p26 \
   --methods "autoregressive,hf_generate,hf_assisted,prompt_lookup,anpd,draft_model,ouroboros,auto"
+# (stopped after four HumanEval prompts: transformers' plain generate ran 1.42x speculum's plain decoding), then
+python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes float32 --ks 1,2,4,8,16 --reps 5 --threads 2 --prefix 300
+python benchmarks/verify_cost.py qwen2.5-coder-0.5b --dtypes float32 --ks 1,2,4,8 --reps 5 --threads 2 --prefix 300
+# after the change (one- and two-token forwards on the stock kernel where it measures faster), greedy, two sets
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,mt_bench \
+  --limit 2 --max-new-tokens 128 --out $OUT/i18/qwen-avx512-greedy-dense-p26 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,auto"

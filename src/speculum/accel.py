@@ -19,7 +19,12 @@ oneDNN's bfloat16 kernels for 1-2 rows ran slower than its kernel for 4: a Qwen2
 one-token step took 150-178 ms and a two-token verification 169-182 ms, against 130-147 ms for
 four tokens; padded to 4 rows (the extra rows zeros, their outputs dropped) the one- and two-token
 forwards cost 128-150 ms (issue #18, sixteenth pass). A draft model verifying one token a round
-paid the most.
+paid the most. On other CPUs the stock kernel is the faster one for those forwards: on an Intel
+Xeon with AVX-512 (no bf16), MKL ran a float32 one-token step of the Qwen2.5-Coder 1.5B in 247 ms
+against 375 ms packed, and 8 tokens in 802 ms against 500 (issue #18, twenty-sixth pass). There
+one- and two-row forwards run on the stock kernel over a dense copy of each weight
+(``PackedLinear.dense_rows``, decided by the same measurement, only where the copies fit in memory),
+and wider ones on the packed weights.
 
 The swap is reversible (``unpacked``) so a benchmark can time transformers' stock model in the
 same process. Numerics: float32 results differ from MKL's in the last bits, exactly like any other
