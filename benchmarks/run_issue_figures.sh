@@ -670,3 +670,8 @@ python benchmarks/verify_cost.py qwen2.5-coder-0.5b --dtypes float32 --ks 1,2,4,
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,mt_bench \
   --limit 2 --max-new-tokens 128 --out $OUT/i18/qwen-avx512-greedy-dense-p26 \
   --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/plain_gap.py qwen2.5-coder-1.5b --tokens 48 --rounds 2
+# ... and the chat and translation sets at T=1 with the stock kernel for small forwards
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-dense-p26 \
+  --methods "autoregressive,hf_generate,draft_model,ouroboros,auto"
