@@ -260,12 +260,21 @@ def _pad_setting() -> str:
     return value if value in ("refresh", "dense") else "auto"
 
 
-def _set_small_forwards(model: nn.Module, mode: str) -> None:
-    """``mode``: "" (as they are), "padded" or "dense" (see ``RowPadding``)."""
+def _set_small_forwards(model: nn.Module, mode: str, *, keep_copies: bool = False) -> None:
+    """``mode``: "" (as they are), "padded" or "dense" (see ``RowPadding``). The dense copies are made
+    for "dense" and dropped otherwise, unless ``keep_copies`` (while the ways are timed in turn)."""
     set_min_rows(model, PAD_ROWS if mode == "padded" else 1)
-    for layer in model.modules():
-        if isinstance(layer, PackedLinear):
-            layer.dense_rows = DENSE_ROWS if mode == "dense" else 0
+    if mode == "dense" or not keep_copies:
+        set_dense_rows(model, DENSE_ROWS if mode == "dense" else 0)
+    else:
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                layer.dense_rows = 0
+
+
+def _label(width: int, mode: str) -> str:
+    """The key of a timed forward in ``RowPadding.ms``: "1", "2 padded", "1 dense"."""
+    return f"{width} {mode}" if mode else str(width)
 
 
 def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPadding:
@@ -291,8 +300,7 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
         return RowPadding(1, "the model is not prepacked")
     setting = _pad_setting()
     if setting in ("off", "on", "dense"):
-        _set_small_forwards(model, "padded" if setting == "on" else "")
-        set_dense_rows(model, DENSE_ROWS if setting == "dense" else 0)
+        _set_small_forwards(model, {"on": "padded", "dense": "dense"}.get(setting, ""))
         return RowPadding(min_rows(model), f"{PAD_ENV}={os.environ.get(PAD_ENV)}", dense_rows=dense_rows(model))
     path = _padding_path(runner)
     ms = None if setting == "refresh" else _read_padding(path)
@@ -303,17 +311,17 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
             ms = _time_padding(runner, reps, budget_s)
         except Exception as error:  # noqa: BLE001 - an optimisation: never a reason to fail a load
             _set_small_forwards(model, "")
-            set_dense_rows(model, 0)
             logger.warning("speculum: could not time row padding (%s: %s)", type(error).__name__, error)
             return RowPadding(1, f"measuring failed: {type(error).__name__}")
         logger.info("speculum: timed row padding in %.1f s", time.perf_counter() - start)
         _write_padding(path, ms)
-    totals = {mode: ms[f"1{mode}"] + ms[f"2{mode}"] for mode in ("", " padded", " dense") if f"1{mode}" in ms}
+    totals = {
+        mode: ms[_label(1, mode)] + ms[_label(2, mode)] for mode in ("", "padded", "dense") if _label(1, mode) in ms
+    }
     best = min(totals, key=totals.get)
-    if totals[best] >= totals[""] * (1 - PAD_MARGIN) or (best == " dense" and not _dense_copies_fit(model)):
+    if totals[best] >= totals[""] * (1 - PAD_MARGIN) or (best == "dense" and not _dense_copies_fit(model)):
         best = ""
-    _set_small_forwards(model, best.strip())
-    set_dense_rows(model, DENSE_ROWS if best == " dense" else 0)
+    _set_small_forwards(model, best)
     reason = (
         f"one-token forward {ms['1']:.1f} ms, padded {ms['1 padded']:.1f}; "
         f"two tokens {ms['2']:.1f} ms, padded {ms['2 padded']:.1f}"
@@ -336,12 +344,12 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
     if _dense_copies_fit(model):
         set_dense_rows(model, DENSE_ROWS)  # the dense copies, made once for the measurement
         modes.append("dense")
-    times: dict[str, list[float]] = {f"{width}{' ' + mode if mode else ''}": [] for mode in modes for width in (1, 2)}
+    times: dict[str, list[float]] = {_label(width, mode): [] for mode in modes for width in (1, 2)}
     start = time.perf_counter()
     try:
         for rep in range(reps + 1):  # the first pass warms every shape up
             for mode in modes if rep % 2 else reversed(modes):
-                _set_small_forwards(model, mode)
+                _set_small_forwards(model, mode, keep_copies=True)
                 for width in (1, 2):
                     began = time.perf_counter()
                     out = runner.forward(cache, ids[-width:])
@@ -349,12 +357,11 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
                     elapsed = time.perf_counter() - began
                     crop(cache, past)
                     if rep:
-                        times[f"{width}{' ' + mode if mode else ''}"].append(elapsed)
+                        times[_label(width, mode)].append(elapsed)
             if rep and time.perf_counter() - start > budget_s:
                 break
     finally:
         _set_small_forwards(model, "")
-        set_dense_rows(model, 0)
     return {label: round(statistics.median(values) * 1e3, 3) for label, values in times.items()}
 
 
