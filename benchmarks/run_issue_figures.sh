@@ -675,3 +675,20 @@ python benchmarks/plain_gap.py qwen2.5-coder-1.5b --tokens 48 --rounds 2
 speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 \
   --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-dense-p26 \
   --methods "autoregressive,hf_generate,draft_model,ouroboros,auto"
+# ---- issue #18, twenty-seventh pass (float32, the AVX-512 Xeon without bf16, one- and two-token forwards on the
+# stock kernel): every method on the Qwen pair's four report sets greedy; then auto's draft-model part on the tuning
+# prompts (MT-bench 101-105, WMT16 21-25 as above, MBPP 1-5; 64 tokens)
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-avx512-greedy-p27 \
+  --methods "autoregressive,hf_generate,hf_assisted,prompt_lookup,anpd,draft_model,ouroboros,auto"
+python benchmarks/controller_bars.py $OUT/i18/qwen-avx512-greedy-p27/summary.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset /tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl,mbpp \
+  --limit 5 --max-new-tokens 64 --out $OUT/i18/qwen-avx512-auto-tuning-p27 \
+  --methods "autoregressive,draft_model,auto,auto:draft_confidence=0.5,chain_stop=true,$OUT/i18/auto-dm.json"
+# Gemma 3 270M on the same host, greedy, then lookahead's two CPU settings on the tuning prompts
+speculum bench $G22 --out $OUT/i18/gemma-avx512-greedy-p27 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-greedy-p27/summary.json
+speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
+  --max-new-tokens 128 --out $OUT/i18/gemma-avx512-lookahead-tuning-p27 \
+  --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
