@@ -67,15 +67,25 @@ def test_a_machine_class_setting_replaces_the_devices_for_its_methods_only(monke
     import torch
 
     from speculum.methods import MACHINE_DEFAULTS, machine_class, machine_defaults
+    from speculum.models import dtypes
 
     device = {"lookahead": {"window_size": 4, "ngram_size": 4}, "ctc": {"tree": "prefix"}}
     monkeypatch.setitem(MACHINE_DEFAULTS, "cpu", device)
     monkeypatch.setitem(MACHINE_DEFAULTS, "cpu/avx2", {"lookahead": {"window_size": 2}})
+    monkeypatch.setitem(MACHINE_DEFAULTS, "cpu/avx512", {"lookahead": {"window_size": 3}})
     published = speculum.SpeculativeConfig("lookahead", preset="paper").options("cpu")
-    # one combination: the class's setting does not inherit the device's other parameters
-    for capability, window, ngram in (("AVX2", 2, published.ngram_size), ("AVX512", 4, 4)):
+    # one combination: the class's setting does not inherit the device's other parameters; an
+    # AVX-512 CPU with native bfloat16 is a class of its own (here without a setting: the device's)
+    cases = (
+        ("AVX2", False, "cpu/avx2", 2, published.ngram_size),
+        ("AVX2", True, "cpu/avx2", 2, published.ngram_size),
+        ("AVX512", False, "cpu/avx512", 3, published.ngram_size),
+        ("AVX512", True, "cpu/avx512_bf16", 4, 4),
+    )
+    for capability, bf16, klass, window, ngram in cases:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert machine_class("cpu") == f"cpu/{capability.lower()}"
+        monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda b=bf16: b)
+        assert machine_class("cpu") == klass
         options = speculum.SpeculativeConfig("lookahead").options("cpu")
         assert (options.window_size, options.ngram_size) == (window, ngram)
         assert machine_defaults("ctc", "cpu") == {"tree": "prefix"}

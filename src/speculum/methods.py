@@ -97,6 +97,16 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         # The window's probes verify 3 nodes instead of 12, and the guesses bring most accepted tokens
         "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
     },
+    # AVX-512 CPUs without native bfloat16 (float32), where one- and two-token forwards run on the
+    # stock kernel (81 ms for Gemma 3 270M) and wider ones packed (100 ms and up): a 12-node window
+    # costs 1.25 plain steps or more. Chosen on the tuning prompts (MBPP 1-5, MT-bench 101-105,
+    # WMT16 21-25; 128 tokens): the AVX2 setting gave 1.05/1.43/1.59x plain where W=N=G=4 gave
+    # 0.91/1.30/1.23x (benchmarks/results/issue18-gemma-avx512-fp32-lookahead-tuning-p27.md,
+    # issue #18, twenty-seventh pass). Hosts with native bfloat16 are "cpu/avx512_bf16" and keep
+    # the device's setting, measured there.
+    "cpu/avx512": {
+        "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
+    },
 }
 
 
@@ -113,13 +123,20 @@ def machine_class(device_type: str | None) -> str:
     """The class of machine whose measured settings apply on a device of ``device_type``: on a CPU,
     "cpu/" and the vector instruction set torch computes with (``torch.backends.cpu.
     get_cpu_capability()``: "cpu/avx2", "cpu/avx512", ...; ``ATEN_CPU_CAPABILITY`` overrides it),
+    with "_bf16" where an AVX-512 CPU computes bfloat16 natively ("cpu/avx512_bf16"),
     since what a tree of n nodes costs to verify against one token differs most between them
     (BENCHMARKS.md, issue #18); elsewhere the device type itself."""
     if device_type != "cpu":
         return device_type or ""
     import torch
 
-    return "cpu/" + torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    from speculum.models.dtypes import cpu_has_fast_bf16
+
+    capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    # native bfloat16 changes what runs (dtype="auto" picks it) and what a tree costs: its own class
+    if capability.startswith("avx512") and "bf16" not in capability and cpu_has_fast_bf16():
+        capability += "_bf16"
+    return "cpu/" + capability
 
 
 def machine_defaults(method: str, device_type: str | None, sampled: bool = False) -> dict[str, Any]:
