@@ -58,6 +58,9 @@ DEFAULT_METHOD = "auto"
 # A machine class ("cpu/avx2", see machine_class) listed here replaces its device's setting of each
 # method it names, whole.
 PRESETS = ("machine", "paper")
+# lookahead's setting where a tree costs much more per node than one token: one Jacobi column of 3
+# levels, the prompt's n-grams in the pool (the measurements are with each class below)
+ONE_COLUMN_LOOKAHEAD = {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True}
 MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
         # `speculum tune --method ouroboros --dataset mbpp` (benchmarks/results/ouroboros-qwen-tuned.json)
@@ -95,7 +98,7 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         # where W=N=G=4 gave 0.97/1.13/1.11x (W=2 1.02/1.29/1.44x; without the prompt's n-grams,
         # 3x3x3 1.03/1.17/1.26x; benchmarks/results/issue18-gemma-avx2-fp32-lookahead-tuning-p24.md).
         # The window's probes verify 3 nodes instead of 12, and the guesses bring most accepted tokens
-        "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
+        "lookahead": ONE_COLUMN_LOOKAHEAD,
     },
     # AVX-512 CPUs without native bfloat16 (float32), where one- and two-token forwards run on the
     # stock kernel (81 ms for Gemma 3 270M) and wider ones packed (100 ms and up): a 12-node window
@@ -105,7 +108,7 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # issue #18, twenty-seventh pass). Hosts with native bfloat16 are "cpu/avx512_bf16" and keep
     # the device's setting, measured there.
     "cpu/avx512": {
-        "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
+        "lookahead": ONE_COLUMN_LOOKAHEAD,
     },
 }
 
