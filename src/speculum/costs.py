@@ -9,7 +9,9 @@ One model serves the engine's controller, ``speculum tune`` and the studies scri
 - **Refined online** (:meth:`CostModel.observe`): every verification forward the engine runs is a
   free sample. Each sample updates a correction factor for its size bucket (an exponential moving
   average of measured / predicted), so the curve follows a machine that got busier, a cache that
-  grew long, or a CPU whose measurement was noisy, without forgetting its shape.
+  grew long, or a CPU whose measurement was noisy, without forgetting its shape. A curve that reads
+  several times off the forwards actually timed (measured while another process held the cores) is
+  rescaled whole after a few forwards, and its cache file dropped so the next load measures again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ log = logging.getLogger("speculum")
 FORMAT = "speculum-costs"
 VERSION = 2  # 2: sizes measured interleaved (curves measured in blocks are measured again)
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
+# A forward this many times off its prediction is not noise but a curve measured on another machine
+# state: a CPU oversubscribed by a second process reads 3-15x slow (Gemma 3 270M's t(1) cached at
+# 1.5 s against 0.08 s timed, issue #18), while a cold first forward or a busy phase reads <= 2x.
+GROSS = 3.0
+GROSS_RUN = 3  # consecutive gross samples (the same way) that rescale the curve
 
 
 def size_bucket(n: int) -> int:
@@ -50,6 +57,11 @@ class CostModel:
     correction: dict[int, float] = field(default_factory=dict)  # size bucket -> measured / base
     # (rows bucket, size bucket) -> measured / base(rows * size), for forwards over a batch
     batch_correction: dict[tuple[int, int], float] = field(default_factory=dict)
+    # the disk cache it was read from or written to (dropped when the curve is found grossly slow)
+    path: Path | None = field(default=None, repr=False, compare=False)
+    _gross: list[float] = field(default_factory=list, repr=False, compare=False)  # a run of gross seconds / base
+    _gross_slow: bool = field(default=False, repr=False, compare=False)  # that run's way: slower than the curve
+    _gross_factor: float = field(default=1.0, repr=False, compare=False)  # the correction when it began
 
     def __post_init__(self) -> None:
         # Past one token a bigger forward never costs less, so a point above a larger size's is noise
@@ -102,6 +114,38 @@ class CostModel:
         # controller then saw drafting win where it lost, issue #18)
         old = self._factor(bucket)
         self.correction[bucket] = old + self.smoothing * (ratio - old)
+        self._check_scale(ratio, old)
+
+    def _check_scale(self, ratio: float, factor: float) -> None:
+        """Rescale the whole curve when forwards keep landing ``GROSS`` times off it (``ratio``: this
+        sample against the measured curve, ``factor``: the correction it was predicted with). The
+        smoothed correction would take ~30 forwards to get there, and until then the controller
+        judges drafting against a plain step as dear as the stale curve says (it drafted every round
+        of a request at a predicted 4.7 tokens/s where 14 were realised)."""
+
+        def gross(off: float, slow: bool) -> bool:
+            return off >= GROSS if slow else off <= 1.0 / GROSS
+
+        # a run is judged against the factor it began with (the correction moves meanwhile)
+        if self._gross and gross(ratio / self._gross_factor, self._gross_slow):
+            self._gross.append(ratio)
+        else:
+            self._gross.clear()
+            slow = ratio > factor
+            if not gross(ratio / max(factor, 1e-12), slow):
+                return
+            self._gross, self._gross_factor, self._gross_slow = [ratio], factor, slow
+        if len(self._gross) < GROSS_RUN:
+            return
+        scale = statistics.median(self._gross)
+        self._gross.clear()
+        self.points = [(n, t * scale) for n, t in self.points]
+        self.correction.clear()
+        self.batch_correction = {k: f / scale for k, f in self.batch_correction.items()}
+        log.info("speculum: verification costs rescaled by %.3g (the measured curve was off what forwards take)", scale)
+        if scale < 1.0 and self.path is not None:  # measured under load: measure again at the next load
+            self.path.unlink(missing_ok=True)
+            log.info("speculum: dropped the stale cost file %s", self.path)
 
     def batch(self, rows: int, n: int) -> float:
         """T(rows, n): one forward over ``rows`` trees padded to ``n`` nodes each. Before any batch was
@@ -260,6 +304,7 @@ def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh:
         try:
             model = CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
             log.debug("speculum: verification costs from %s", path)
+            model.path = path
             return model
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -276,6 +321,7 @@ def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, (json.dumps(model.to_dict()) + "\n").encode(), what="cost file")
+        model.path = path
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs a re-measure, nothing more
         log.warning("speculum: could not cache the measured costs in %s: %s", path, exc)
     return model

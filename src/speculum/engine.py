@@ -190,7 +190,10 @@ class Row:
             stats.nodes_pruned += plan.pruned
             stats.rounds_explored += plan.explored
             stats.predicted_tokens += plan.expected_tokens
-            stats.predicted_time += plan.predicted_seconds + judged
+            stats.predicted_time += plan.predicted_seconds + judged + controller.overhead
+        elif controller is not None and self.asked:  # asked, proposed nothing: a plain step's worth
+            stats.predicted_tokens += 1.0
+            stats.predicted_time += controller.row_cost(rows)(1) + judged + controller.overhead
         self.tc = time.perf_counter()
         self.planning = self.tc - start
         self.tree = TokenTree.from_draft(self.tokens[-1], draft, ctx.max_depth, MAX_DRAFT_NODES, keep)
