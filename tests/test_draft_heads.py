@@ -728,6 +728,40 @@ def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fa
     logits = projection(hidden)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, exact, atol=0.05 * exact.abs().max().item())
+    if not fast and torch.backends.mkldnn.is_available():  # float32 rows prepacked: the same numbers
+        assert projection.packed is not None
+        assert torch.allclose(logits, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded, llama, monkeypatch):
+    """In float32 on a CPU without native bf16 the CTC module drafts through a copy of its layer
+    with prepacked matrices (speculum.heads.ctc.PackedDecoderLayer): same outputs, rounding aside,
+    with and without padded memory, for the whole module too."""
+    from speculum.heads.ctc import CTCDraftModule
+    from speculum.models import dtypes
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    torch.manual_seed(0)
+    hidden = llama.config.hidden_size
+    module = CTCDraftModule(hidden, torch.arange(VOCAB), slots=4, label_length=2, context=6, num_attention_heads=4)
+    with torch.no_grad():
+        for parameter in module.parameters():  # away from the identity start, so every branch counts
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    module.projection.attach(llama.get_output_embeddings().weight)
+    module.eval()
+    memory, root = torch.randn(2, 6, hidden), torch.randn(2, hidden)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    if padded:
+        padding[1, :3] = True  # the second text began three positions ago
+    with torch.inference_mode():
+        stock = module(memory, root, padding if padded else None)
+        assert not module.for_inference() and module.packed_layer is not None
+        packed = module(memory, root, padding if padded else None)
+    assert "packed_layer" not in "".join(module.state_dict())  # an inference copy, never saved
+    assert torch.allclose(packed, stock, rtol=1e-4, atol=1e-4 * stock.abs().max().item())
 
 
 def test_extra_data_files_are_appended_with_their_texts_kept_apart(speculum_llama, tmp_path):
