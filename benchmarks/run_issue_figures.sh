@@ -692,3 +692,12 @@ python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-greedy-p27/summary.js
 speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
   --max-new-tokens 128 --out $OUT/i18/gemma-avx512-lookahead-tuning-p27 \
   --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
+# ---- issue #18, twenty-eighth pass (the same Xeon; Gemma's cost curve measured afresh: rm ~/.cache/speculum/costs/*
+# if one was cached while the machine was busy, or let three forwards rescale it): Gemma greedy, every method; the
+# heads on prepacked matrices; Gemma at T = 1
+speculum bench $G22 --out $OUT/i18/gemma-avx512-greedy-p28 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench $G22 --out $OUT/i18/gemma-avx512-heads-p28 --methods "autoregressive,medusa,ctc,auto"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-p28 \
+  --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-t1-p28/summary.json

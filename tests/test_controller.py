@@ -1019,9 +1019,12 @@ def test_slow_phases_and_mixed_outliers_do_not_rescale_the_curve(tmp_path):
     for seconds in (0.5, 0.02, 0.5, 0.02):  # gross both ways, never three the same way in a row
         cost.observe(4, seconds)
     assert cost.points[1] == (4, 0.100)
-    for _ in range(3):  # three times as slow for good (another process now): rescaled, the file kept
+    for _ in range(3):  # five times as slow for good (another process now): rescaled, the file kept
         cost.observe(1, 0.400)
     assert cost(1) == pytest.approx(0.400, rel=0.05) and kept.exists()
+    for _ in range(3):  # the other process ended: back to the file's own curve, which stays
+        cost.observe(1, 0.080)
+    assert cost(1) == pytest.approx(0.080, rel=0.05) and kept.exists()
 
 
 def test_the_prediction_covers_the_rounds_it_is_compared_with():

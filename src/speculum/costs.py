@@ -62,6 +62,7 @@ class CostModel:
     _gross: list[float] = field(default_factory=list, repr=False, compare=False)  # a run of gross seconds / base
     _gross_slow: bool = field(default=False, repr=False, compare=False)  # that run's way: slower than the curve
     _gross_factor: float = field(default=1.0, repr=False, compare=False)  # the correction when it began
+    _scaled: float = field(default=1.0, repr=False, compare=False)  # the rescales' product since it was read
 
     def __post_init__(self) -> None:
         # Past one token a bigger forward never costs less, so a point above a larger size's is noise
@@ -143,9 +144,13 @@ class CostModel:
         self.correction.clear()
         self.batch_correction = {k: f / scale for k, f in self.batch_correction.items()}
         log.info("speculum: verification costs rescaled by %.3g (the measured curve was off what forwards take)", scale)
-        if scale < 1.0 and self.path is not None:  # measured under load: measure again at the next load
+        self._scaled *= scale
+        # grossly faster than the file says: it was measured under load; measure again at the next load
+        # (a curve rescaled up while another process ran and back down after is the file's own)
+        if self._scaled <= 1.0 / GROSS and self.path is not None:
             self.path.unlink(missing_ok=True)
             log.info("speculum: dropped the stale cost file %s", self.path)
+            self.path = None
 
     def batch(self, rows: int, n: int) -> float:
         """T(rows, n): one forward over ``rows`` trees padded to ``n`` nodes each. Before any batch was
