@@ -130,7 +130,8 @@ class CTCDraftModule(nn.Module):
         keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
         if padding is not None:
             padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)
-        layer = self.packed_layer if self.packed_layer is not None else self.layer
+        # (training reads the stock layer: the packed copy is for inference, its matrices frozen)
+        layer = self.packed_layer if self.packed_layer is not None and not self.training else self.layer
         x = self.norm_out(layer(queries, keys, memory_key_padding_mask=padding))
         return torch.cat([self.projection(x * self.hidden_std + self.hidden_mean), self.blank(x)], dim=-1)
 
