@@ -71,6 +71,15 @@ class PackedLinear(nn.Module):
         self.dense_rows = 0
         self.dense_weight: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        """``x @ weight.T + bias`` prepacked, for matrices that are not an ``nn.Linear``'s (draft heads')."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+        return cls(linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if 0 < rows <= self.dense_rows and self.dense_weight is not None:
@@ -102,6 +111,18 @@ def packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32, torch.bfloat16} if cpu_has_fast_bf16() else {torch.float32})
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are prepacked on this CPU (oneDNN present and working for it)."""
+    if dtype not in packable_dtypes() or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), probe, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def supported(model: nn.Module) -> bool:
     """Prepacking applies to float32 models on CPU where oneDNN is available, and to bfloat16 ones
     where the CPU computes bfloat16 natively (not to models that accelerate dispatches over several
@@ -110,17 +131,9 @@ def supported(model: nn.Module) -> bool:
     if not params or any(p.device.type != "cpu" for p in params):
         return False
     dtypes = {p.dtype for p in params if p.is_floating_point()}
-    if not dtypes or not dtypes <= packable_dtypes():
+    if not dtypes or any(hasattr(m, "_hf_hook") for m in model.modules()):
         return False
-    if any(hasattr(m, "_hf_hook") for m in model.modules()) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        for dtype in dtypes:
-            probe = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
-            torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), probe, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    return True
+    return all(packs(dtype) for dtype in dtypes)
 
 
 def _swap(model: nn.Module, convert) -> int:

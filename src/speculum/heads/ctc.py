@@ -152,12 +152,7 @@ class PackedDecoderLayer(nn.Module):
         self.heads = layer.self_attn.num_heads
         hidden = layer.self_attn.embed_dim
 
-        def packed(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-            linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
-            linear.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
-            return PackedLinear(linear)
-
+        packed = PackedLinear.of
         attend, cross = layer.self_attn, layer.multihead_attn
         self.self_qkv = packed(attend.in_proj_weight, attend.in_proj_bias)
         self.self_out = packed(attend.out_proj.weight, attend.out_proj.bias)

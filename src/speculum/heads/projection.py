@@ -48,12 +48,9 @@ class DraftVocabProjection(nn.Module):
         if native_bf16(self.weight.device):
             self.weight = self.weight.to(torch.bfloat16)
             return True
-        if self.packed is None and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
-            linear = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=False, device="meta")
-            linear.weight = nn.Parameter(self.weight, requires_grad=False)
-            if accel.supported(linear):
-                self.packed = accel.PackedLinear(linear)
-                self.weight = self.weight.new_empty(0, self.weight.shape[1])  # the packed copy is the one used
+        if self.packed is None and self.weight.device.type == "cpu" and accel.packs(self.weight.dtype):
+            self.packed = accel.PackedLinear.of(self.weight)
+            self.weight = self.weight.new_empty(0, self.weight.shape[1])  # the packed copy is the one used
         return False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
