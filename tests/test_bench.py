@@ -123,6 +123,9 @@ def test_parse_method_spec():
     )
     assert parse_method_spec(" prompt_lookup ") == MethodSpec("prompt_lookup", "prompt_lookup", {})
     assert parse_method_spec("hf_generate").is_transformers
+    # "#tag": a row of its own running the same method again (an A/A comparison)
+    assert parse_method_spec("autoregressive#2") == MethodSpec("autoregressive#2", "autoregressive", {})
+    assert parse_method_spec("anpd:tree=true#b") == MethodSpec("anpd:tree=true#b", "anpd", {"tree": True})
 
 
 @pytest.mark.parametrize(
@@ -136,6 +139,9 @@ def test_parse_method_spec():
         ("anpd:=3", "bad parameter"),
         ("anpd:k=1,k=2", "given twice"),
         ("anpd:2x=1", "bad parameter name"),
+        ("#2", "a tag after '#'"),
+        ("anpd#", "a tag after '#'"),
+        ("anpd#a b", "a tag after '#'"),
     ],
 )
 def test_parse_method_spec_errors(spec, match):
@@ -557,3 +563,29 @@ def test_transformers_rows_run_on_the_stock_model():
     assert seen == [False]  # stock layers during transformers' call
     assert accel.is_packed(spec.model)  # and packed again for speculum's rows
     assert all(r["equal_to_baseline"] for r in result.records)
+
+
+def test_a_repeated_baseline_gives_the_runs_noise_floor(fake_configs, tmp_path):
+    """``autoregressive#2`` runs plain decoding again, in its own place of the interleaving: the
+    report gives its ratio to the baseline per set, with the per-prompt range."""
+    spec = _FakeSpec()
+    methods = parse_methods("autoregressive,autoregressive#2,anpd", known=["autoregressive", "anpd"])
+    result = run_bench(
+        spec, {"x": ds.load_mt_bench(3), "y": ds.load_humaneval(3)}, methods,
+        limit=2, max_new_tokens=6, warmup=0, progress=False, fail_fast=True,
+    )  # fmt: skip
+    assert result.baseline == "autoregressive"
+    assert [c[1] for c in spec.calls].count("autoregressive") == 2 * 4  # twice per prompt
+    overall = result.summary()["groups"]["overall"]
+    repeat = overall["autoregressive#2"]
+    assert repeat["identical"] == repeat["compared"] == 4
+    assert repeat["speedup_min_per_prompt"] <= repeat["speedup"] <= repeat["speedup_max_per_prompt"]
+    text = open(result.write(tmp_path / "out")["summary_md"]).read()
+    assert "## Noise floor" in text
+    row = next(line for line in text.splitlines() if line.startswith("| `autoregressive#2` ÷ `autoregressive`"))
+    assert row.count("×") == 3  # mt_bench, humaneval, overall
+    plain = run_bench(
+        _FakeSpec(), {"x": ds.load_mt_bench(3)}, parse_methods("autoregressive,anpd", known=["autoregressive", "anpd"]),
+        limit=1, max_new_tokens=6, warmup=0, progress=False, fail_fast=True,
+    )  # fmt: skip
+    assert "Noise floor" not in open(plain.write(tmp_path / "plain")["summary_md"]).read()

@@ -94,7 +94,8 @@ def bench(
             help="Comma-separated method specs: name or name:key=value,key=value "
             "(e.g. autoregressive,anpd:num_speculative_tokens=5,tree=true), or a config file from "
             "`speculum tune --out` (tuned.json). hf_generate, hf_assisted and "
-            "hf_prompt_lookup name transformers' own generate."
+            "hf_prompt_lookup name transformers' own generate. A '#tag' suffix runs a method again as a row "
+            "of its own: autoregressive#2 gives the run's noise floor (plain decoding against itself)."
         ),
     ] = DEFAULT_METHODS,
     compare_transformers: Annotated[

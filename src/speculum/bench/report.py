@@ -172,7 +172,14 @@ def method_row(records: list[dict], baseline_records: list[dict] | None) -> dict
                     ratios.append(ta / tb)
             if ratios:
                 row["speedup_mean_per_prompt"] = sum(ratios) / len(ratios)
+                row["speedup_min_per_prompt"], row["speedup_max_per_prompt"] = min(ratios), max(ratios)
     return row
+
+
+def repeats_of(label: str, labels: list[str]) -> list[str]:
+    """The rows that run ``label``'s method again under a ``#tag`` (``autoregressive#2``)."""
+    stem = label.split("#", 1)[0]
+    return [m for m in labels if m != label and m.split("#", 1)[0] == stem and "#" in m]
 
 
 def summarize_records(
@@ -227,6 +234,31 @@ def summarize(result) -> dict[str, Any]:
 
 def _f(x: float | None, fmt: str, none: str = "–") -> str:
     return none if x is None else format(x, fmt)
+
+
+def _noise_floor(summary: dict, baseline: str) -> list[str]:
+    """The baseline run again per prompt (an A/A comparison): how far two runs of the same code
+    differ on this machine in this run, per set, as a speedup."""
+    groups = summary["groups"]
+    lines = ["## Noise floor (the baseline run twice)", ""]
+    lines.append("| row | " + " | ".join(groups) + " |")
+    lines.append("|---|" + "---:|" * len(groups))
+    for m in repeats_of(baseline, list(groups.get(OVERALL, {}))):
+        cells = []
+        for rows in groups.values():
+            r = rows.get(m, {})
+            low, high = r.get("speedup_min_per_prompt"), r.get("speedup_max_per_prompt")
+            span = f" ({low:.2f}–{high:.2f})" if low is not None and high is not None else ""
+            speedup = r.get("speedup")
+            cells.append("–" if speedup is None else f"{speedup:.2f}×{span}")
+        lines.append(f"| `{m}` ÷ `{baseline}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Each cell: the same plain decoding run again on the same prompts, Σ ratio (per-prompt range). "
+        "A method's speedup that differs from 1.00× by no more than this row does is within this run's noise.",
+        "",
+    ]
+    return lines
 
 
 def _table(rows: dict[str, dict], baseline: str | None) -> list[str]:
@@ -305,6 +337,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
         lines.extend(_table(rows, baseline))
         lines.append("")
     overall = summary["groups"].get(OVERALL, {})
+    if baseline and repeats_of(baseline, list(overall)):
+        lines.extend(_noise_floor(summary, baseline))
     controlled = {m: r for m, r in overall.items() if r.get("rounds_plain_pct") is not None or r.get("accepted_by")}
     if controlled:
         lines.append("## Controller (all prompts)")

@@ -68,19 +68,30 @@ def parse_value(text: str) -> Any:
 
 def parse_method_spec(spec: str, known: Iterable[str] | None = None) -> MethodSpec:
     """Parse ``name``, ``name:key=value,key=value`` (``-`` in keys reads as ``_``) or the path of a
-    config file (``tuned.json``, from ``speculum tune --out``).
+    config file (``tuned.json``, from ``speculum tune --out``), each optionally followed by ``#tag``:
+    a row of its own that runs the same method again (``autoregressive#2`` beside ``autoregressive``
+    measures the run's noise floor: an A/A comparison).
 
     ``known``: the accepted method names (speculum's plus :data:`HF_METHODS`); ``None`` skips that check.
     """
     label = spec.strip()
     if not label:
         raise InvalidInputError("empty method spec")
-    if label.endswith(".json"):  # a config file from `speculum tune --out` (optionally written @file.json)
+    body, hash_sign, tag = label.rpartition("#")
+    if hash_sign:
+        if not body.strip() or not tag.replace("-", "").replace("_", "").isalnum():
+            raise InvalidInputError(
+                f"method spec {label!r}: a tag after '#' is letters, digits, '-' or '_' (e.g. autoregressive#2)"
+            )
+    else:
+        body = label
+    body = body.strip()
+    if body.endswith(".json"):  # a config file from `speculum tune --out` (optionally written @file.json)
         from speculum.methods import SpeculativeConfig
 
-        config = SpeculativeConfig.from_file(label.removeprefix("@"))
+        config = SpeculativeConfig.from_file(body.removeprefix("@"))
         return MethodSpec(label, config.method, config.all_params())
-    name, sep, rest = label.partition(":")
+    name, sep, rest = body.partition(":")
     name = name.strip()
     if not name:
         raise InvalidInputError(f"method spec {label!r} has no method name")
