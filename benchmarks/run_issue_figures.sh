@@ -701,3 +701,15 @@ speculum bench $G22 --out $OUT/i18/gemma-avx512-heads-p28 --methods "autoregress
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-p28 \
   --methods "autoregressive,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
 python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-t1-p28/summary.json
+# ---- issue #18, twenty-ninth pass (the same Xeon): a noise floor in the run (autoregressive#2, plain decoding again);
+# Gemma at T = 1, every method; the Qwen pair at T = 1 on HumanEval and GSM8K with the stock kernel for small forwards
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-aa-p29 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-t1-aa-p29/summary.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-code-p29 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+# one-round probes once probes lose (not kept; branch wip/scout-probes): the tuning prompts at T = 1, the current code
+# (A) then the branch (B), each run with its own plain row
+speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
+  --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-tuning-t1-scout-A --methods "autoregressive,medusa,ctc,auto"
