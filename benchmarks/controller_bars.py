@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from speculum.bench.report import repeats_of
+
 BASE = "autoregressive"
 
 
@@ -39,7 +41,8 @@ def report(summary: dict) -> str:
     overall = summary["groups"].get("overall", {})
     mean = {m: sum(v[d] for d in sets) / len(sets) for m, v in table.items() if all(d in v for d in sets)}
     # a speculum method, not auto, not a row that runs plain decoding again (autoregressive#2: the noise floor)
-    single = [m for m in table if m != "auto" and not m.startswith("hf_") and m.split("#")[0] != BASE]
+    again = set(repeats_of(BASE, list(table)))
+    single = [m for m in table if m != "auto" and not m.startswith("hf_") and m not in again]
     best = {d: max(single, key=lambda m: table[m].get(d, 0.0)) for d in sets} if single else {}
     lines = ["| method | " + " | ".join(sets) + " | mean over sets | lowest | plain rounds % | controller % wall |"]
     lines.append("|---|" + "---:|" * (len(sets) + 4))

@@ -128,6 +128,17 @@ def test_parse_method_spec():
     assert parse_method_spec("anpd:tree=true#b") == MethodSpec("anpd:tree=true#b", "anpd", {"tree": True})
 
 
+def test_a_tagged_config_file_is_the_same_config_in_a_row_of_its_own(tmp_path):
+    from speculum import SpeculativeConfig
+
+    path = tmp_path / "tuned.json"
+    SpeculativeConfig(method="anpd", num_speculative_tokens=5).save(path)
+    plain, again = parse_method_spec(str(path)), parse_method_spec(f"{path}#2")
+    assert again.label == f"{path}#2" != plain.label
+    assert (again.name, again.params) == (plain.name, plain.params) == ("anpd", plain.params)
+    assert plain.params.get("num_speculative_tokens") == 5
+
+
 @pytest.mark.parametrize(
     "spec, match",
     [
