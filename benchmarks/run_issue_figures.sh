@@ -713,3 +713,5 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
 # (A) then the branch (B), each run with its own plain row
 speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 \
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-tuning-t1-scout-A --methods "autoregressive,medusa,ctc,auto"
+# ... and the branch (B): git worktree add /tmp/wt wip/scout-probes, then the same command with PYTHONPATH=/tmp/wt/src
+# and --out $OUT/i18/gemma-tuning-t1-scout-B
