@@ -9,6 +9,7 @@ from speculum import cache as cache_ops
 from speculum import engine
 from speculum.controller import Controller
 from speculum.costs import CostModel
+from speculum.drafters import draft_model as draft_model_module
 from speculum.engine import Batch, Request
 from speculum.errors import InvalidInputError
 from speculum.methods import machine_defaults
@@ -369,11 +370,14 @@ def test_auto_rows_share_one_model_gate_per_batch_size(monkeypatch):
 class SimulatedClock:
     """The engine's clock, advanced by what each forward costs under a cost model instead of what it
     took: the controller's verdicts then rest on the costs a test gives, not on how fast the machine
-    running it is (a CI machine where tiny models run fast made drafting look cheap)."""
+    running it is (a CI machine where tiny models run fast made drafting look cheap). The draft
+    model's catch-up clock reads it too: a real second there beside simulated ones elsewhere made
+    the verdicts depend on how busy the host was."""
 
     def __init__(self, monkeypatch, target, cost: CostModel, draft_forward: float):
         self.now = 0.0
         monkeypatch.setattr(engine, "time", self)
+        monkeypatch.setattr(draft_model_module, "time", self)
         forward, forward_rows, prefill = ModelRunner.forward, ModelRunner.forward_rows, ModelRunner.prefill
         clock = self
 

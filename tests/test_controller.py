@@ -1047,3 +1047,34 @@ def test_the_prediction_covers_the_rounds_it_is_compared_with():
     assert stats.rounds_drafted > 0 and stats.drafted_tokens == 0
     assert stats.predicted_tokens == pytest.approx(stats.drafted_round_tokens)
     assert stats.predicted_time > 0
+
+
+def test_an_over_high_plain_step_is_found_out_by_rounds_that_verify_nothing():
+    """Issue #18: `ctc` was asked in every round of three requests while its trees were pruned to
+    nothing, at ~10 ms of proposal a round. A round that verifies nothing and drafts for under 5%
+    of a plain step counts neither way; judged against a plain step measured while the host was
+    busy (here 20x the truth), every such round was "negligible", none counted towards the
+    periodic plain round, and the over-high plain step was never measured again. A round that
+    verifies nothing is a one-token forward: less its drafting, it measures a plain step."""
+
+    def asked_rounds(first_plain_seconds):
+        controller = Controller(FLAT)
+        controller.observe_round(
+            TokenTree([1], [-1]), [0], None, asked=False, committed=1,
+            forward_seconds=first_plain_seconds, round_seconds=first_plain_seconds,
+        )  # fmt: skip
+        asked = []
+        for _ in range(100):  # proposals that cost half a plain step, all pruned
+            asked.append(controller.wants_draft())
+            draft_seconds = 0.005 if asked[-1] else 0.0
+            controller.observe_round(
+                TokenTree([1], [-1]), [0], None, asked=asked[-1], committed=1,
+                forward_seconds=0.010, round_seconds=0.0101 + draft_seconds, draft_seconds=draft_seconds,
+            )  # fmt: skip
+        return controller, asked
+
+    measured_busy, asked_busy = asked_rounds(0.2)  # a plain round while another tenant held the cores
+    _, asked_right = asked_rounds(0.0101)
+    assert measured_busy.plain_round == pytest.approx(0.0101, rel=0.01)
+    assert sum(asked_right) <= 25  # a losing drafter: probes only
+    assert sum(asked_busy) <= sum(asked_right) + 10  # a few rounds more to find the plain step out

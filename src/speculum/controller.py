@@ -627,20 +627,23 @@ class Controller:
         # the exploring budget fills with the time spent; it never holds more than a few plain steps,
         # so a long stretch without anything to explore does not become a burst of whole trees
         self._explore_budget = min(self._explore_budget + self.explore_share * round_seconds, 4.0 / plain_rate)
-        overhead = max(0.0, round_seconds - forward_seconds)
         if rows > 1:
             if asked and draft is not None and len(tree) > 1:
                 self._calibrate(tree, path, draft)
             return  # the single-row plain time is measured alone
-        if not asked:
+        if len(tree) == 1:
+            # a one-token forward, as a plain step's: asked or not, the round less its drafting
+            # measures what a plain step costs now. Were asked rounds left out, a plain step measured
+            # while the host was busy would stand for hundreds of rounds, and a drafter whose trees
+            # are all pruned would be judged against it (issue #18: `ctc` asked in every round of a
+            # request while verifying nothing)
+            self._measure_plain(round_seconds - draft_seconds, forward_seconds)
+        if not asked or (len(tree) == 1 and draft_seconds < self.negligible / plain_rate):
+            # a plain round, or one in all but name (nothing verified, next to nothing spent):
+            # neither evidence for asking nor against it
             self._since_plain = 0
             self._plain_rounds += 1
-            self.overhead += self.smoothing * (overhead - self.overhead)
-            self.plain_round = round_seconds if self.plain_round is None else (
-                self.plain_round + self.smoothing * (round_seconds - self.plain_round))  # fmt: skip
             return
-        if len(tree) == 1 and draft_seconds < self.negligible / plain_rate:
-            return  # nothing verified, next to nothing spent: neither evidence for asking nor against it
         self._since_plain += 1
         if draft is not None and len(tree) > 1:
             self._calibrate(tree, path, draft)
@@ -656,6 +659,12 @@ class Controller:
             self._plain_left = self.backoff.lost()
         else:
             self.backoff.won()
+
+    def _measure_plain(self, seconds: float, forward_seconds: float) -> None:
+        """A plain step took ``seconds``, ``forward_seconds`` of it the forward."""
+        self.overhead += self.smoothing * (max(0.0, seconds - forward_seconds) - self.overhead)
+        self.plain_round = seconds if self.plain_round is None else (
+            self.plain_round + self.smoothing * (seconds - self.plain_round))  # fmt: skip
 
     def _calibrate(self, tree: TokenTree, path: list[int], draft: Draft) -> None:
         """Every verified node whose parent was accepted is a sample of P(accepted | parent accepted)."""
