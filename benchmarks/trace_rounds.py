@@ -69,9 +69,9 @@ def _hook() -> None:
         }  # fmt: skip
         return draft
 
-    def traced_without(self, group, outcome, seconds):
-        estimate = without(self, group, outcome, seconds)
-        _round.setdefault("without", {})[group] = estimate
+    def traced_without(self, groups, outcome, seconds):
+        estimate = without(self, groups, outcome, seconds)
+        _round.setdefault("without", {})["+".join(sorted(groups))] = estimate
         return estimate
 
     controller_module.Controller.plan = traced_plan

@@ -350,13 +350,13 @@ def test_a_groups_round_without_it_is_estimated_on_the_same_round():
     target = TargetOutputs(tree, torch.zeros(len(tree), VOCAB), SamplingParams(), None)
     cost = CostModel([(1, 0.010), (3, 0.012), (5, 0.020)])
     outcome = Outcome([5, 7], [0, 2], 4, len(tree) - 1, merged, target, stats={"node_cost": cost})
-    tokens, seconds = drafter._without("heads", outcome, 0.030)
+    tokens, seconds = drafter._without({"heads"}, outcome, 0.030)
     assert tokens == 2  # 5, then the target's own 7 (the bonus), not 5, 7 and the bonus
     assert seconds == pytest.approx(0.030 - 0.004 - (0.020 - 0.012))  # 2 of the 4 nodes were the heads'
     # a round where the n-gram chain was accepted whole: the heads brought nothing
     outcome = Outcome([5, 6], [0, 1], 4, len(tree) - 1, merged, target, stats={"node_cost": cost})
-    assert drafter._without("heads", outcome, 0.030)[0] == 3
-    assert drafter._without("heads", Outcome([5, 6], [0, 1], 4, 4, merged, target), 0.03) is None  # no cost model
+    assert drafter._without({"heads"}, outcome, 0.030)[0] == 3
+    assert drafter._without({"heads"}, Outcome([5, 6], [0, 1], 4, 4, merged, target), 0.03) is None  # no cost model
 
 
 def test_the_paired_gate_stops_heads_that_cost_more_than_they_bring_through_bursts():
@@ -403,3 +403,29 @@ def test_the_model_gate_judges_the_draft_model_without_its_prefill():
     assert [t for step in steps for t in step] == reference_greedy(model, prompt, 20)
     assert stats.time_draft_catch_up >= 0.5
     assert len(judged) >= 2 and max(judged) < 0.5  # the first round's, had the prefill counted, is over 0.5 s
+
+
+def test_the_controller_hears_what_a_round_would_have_given_without_the_gated_parts(monkeypatch):
+    """Alone, a round that ran a gated group (here the draft model) tells the controller what it
+    would have committed and cost without it (``lean``): never more tokens, never more time. A
+    round that ran none says nothing, and the output is plain greedy's."""
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(24, 5, seed=3)
+    drafter = auto(model, perturbed_copy(model, scale=0.3), drafters="anpd,draft_model")
+    controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))
+    heard = []
+    observe = Controller.observe_round
+
+    def hearing(self, tree, path, draft, **kwargs):
+        heard.append((kwargs["asked"], kwargs["committed"], kwargs["round_seconds"], kwargs.get("lean")))
+        return observe(self, tree, path, draft, **kwargs)
+
+    monkeypatch.setattr(Controller, "observe_round", hearing)
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 30, frozenset(), None, Stats(),
+                       controller)  # fmt: skip
+    assert [t for step in steps for t in step] == reference_greedy(model, prompt, 30)
+    lean_rounds = [(committed, seconds, lean) for asked, committed, seconds, lean in heard if lean is not None]
+    assert lean_rounds  # the draft model ran, and the controller heard the round without it
+    for committed, seconds, (tokens, lean_seconds, nodes) in lean_rounds:
+        assert 1 <= tokens <= committed and 0 < lean_seconds <= seconds and nodes >= 0
+    assert all(lean is None for asked, _, _, lean in heard if not asked)

@@ -349,6 +349,8 @@ class Controller:
         # says little; ~7 rounds of memory (goodput_smoothing), no verdict on fewer than min_evidence
         self.asked = Goodput(goodput_smoothing, min_evidence)
         self.asked_long = Goodput(LONG_SMOOTHING, min_evidence)  # the same rounds, for the catch-up rule
+        # the same rounds as they would have gone without the drafter's costly parts (see observe_round)
+        self.asked_lean = Goodput(goodput_smoothing, min_evidence)
         self.plain_round: float | None = None  # seconds of a plain round as measured (bookkeeping included)
         # a drafter that always pays is never backed off, so no plain round would ever be measured and
         # the goodput it must beat would rest on the cost model's t(1), one measurement of a few
@@ -378,7 +380,11 @@ class Controller:
         calibration, cost model and batch verdicts shared with this one (what is learned per
         configuration)."""
         row = copy.copy(self)
-        row.asked, row.asked_long = copy.copy(self.asked), copy.copy(self.asked_long)
+        row.asked, row.asked_long, row.asked_lean = (
+            copy.copy(self.asked),
+            copy.copy(self.asked_long),
+            copy.copy(self.asked_lean),
+        )
         row.backoff = copy.deepcopy(self.backoff)
         return row
 
@@ -605,9 +611,17 @@ class Controller:
         draft_seconds: float = 0.0,
         rows: int = 1,
         padded: int | None = None,
+        lean: tuple[float, float, int] | None = None,
     ) -> None:
         """What the round cost and gave: calibration from the verified nodes, the cost model from the
         forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included).
+
+        ``lean``: (tokens, seconds, nodes proposed) the round would have given without the
+        drafter's costly parts (``auto``'s model-gated groups, which their gates turn on and off).
+        Asking is judged by the better of the rounds as they were and as they would have been lean:
+        a gate that is about to stop heads that lose should not have every drafter backed off with
+        them. A lean round with nothing proposed is not evidence, as a round that verifies nothing
+        and costs next to nothing is not.
 
         ``rows`` > 1: the forward carried a batch of trees padded to ``padded`` nodes. The cost model
         learns T(rows, padded) from it; the row is judged on its own share of the step (its own
@@ -650,12 +664,23 @@ class Controller:
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
         self.asked_long.add(committed, round_seconds)
+        lean_tokens, lean_seconds, lean_nodes = lean if lean is not None else (committed, round_seconds, len(tree) - 1)
+        if lean_nodes > 0:
+            self.asked_lean.add(lean_tokens, lean_seconds, fresh=self.probing)
+        if self.asked_lean.rate is not None and self.asked_lean.rate > self.asked.rate:
+            judged_by = self.asked_lean
+            if lean_nodes > 0:
+                committed, round_seconds = lean_tokens, lean_seconds
+            else:  # judged by the lean rounds, this one was a plain round in all but name
+                committed, round_seconds = 1, 1.0 / plain_rate
+        else:
+            judged_by = self.asked
         loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
         self.backoff.note(loss, self.probing, self.asked.min_evidence)
         self.probing = False
-        if not self.asked.judged:
+        if not judged_by.judged:
             return  # too few rounds to judge: acceptance comes in bursts
-        if self.asked.rate < plain_rate * (1.0 + self.margin):
+        if judged_by.rate < plain_rate * (1.0 + self.margin):
             self._plain_left = self.backoff.lost()
         else:
             self.backoff.won()

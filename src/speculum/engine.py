@@ -229,6 +229,7 @@ class Row:
                 stats.accepted_by[by] = stats.accepted_by.get(by, 0) + 1
         stats.count_step(len(tree) - 1, max(tree.depth), verdict.num_accepted, len(new))
         t3 = time.perf_counter()
+        lean = None  # the round without the drafter's costly parts, where it says (auto's lean_round)
         if not stop:
             path_hidden = out.hidden[verdict.path] if out.hidden is not None else None
             outcome = Outcome(
@@ -244,6 +245,7 @@ class Row:
             if request.controller is not None:  # what a forward over n nodes costs this row, modelled
                 outcome.stats["node_cost"] = request.controller.row_cost(rows)
             request.drafter.observe(ctx, outcome)
+            lean = outcome.stats.get("lean_round")
         t4 = time.perf_counter()
         own_draft = (self.t1 - self.t0) + (t4 - t3)
         # the round's time as the controller judges it (catching up is paid once for the text, not
@@ -263,6 +265,7 @@ class Row:
                 draft_seconds=judged_draft,
                 rows=rows,
                 padded=padded,
+                lean=None if lean is None else (lean[0], round_seconds - lean[1], lean[2]),
             )
             if self.asked:
                 stats.rounds_drafted += 1
