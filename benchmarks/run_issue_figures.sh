@@ -715,3 +715,11 @@ speculum bench --model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.js
   --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/gemma-tuning-t1-scout-A --methods "autoregressive,medusa,ctc,auto"
 # ... and the branch (B): git worktree add /tmp/wt wip/scout-probes, then the same command with PYTHONPATH=/tmp/wt/src
 # and --out $OUT/i18/gemma-tuning-t1-scout-B
+# ---- issue #18, thirtieth pass (the same Xeon): a round that verifies nothing measures a plain step (881fe4b), then
+# auto's controller judging asking by the better of a round as it ran and as it would have run without its gated parts
+# (lean rounds). Run 1: the lean rule's first version (lean rounds with nothing proposed counted), with ctc;
+# run 2: the rule as committed
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-lean-p30 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,ctc,auto"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-lean2-p30 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,auto"

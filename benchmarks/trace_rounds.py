@@ -53,7 +53,8 @@ def _hook() -> None:
         _rounds.append({
             "asked": asked, "tree": len(tree), "committed": committed, "forward_s": round(forward_seconds, 4),
             "drafting_s": round(kwargs.get("draft_seconds", 0.0), 4), "round_s": round(round_seconds, 4),
-            "plain_left": self._plain_left, **_round,
+            "plain_left": self._plain_left, "lean": kwargs.get("lean"),
+            "asked_rate": self.asked.rate, "lean_rate": self.asked_lean.rate, "plain_rate": self.plain_rate(), **_round,
         })  # fmt: skip
         _round.clear()
         return observe(self, tree, path, draft, asked=asked, committed=committed, forward_seconds=forward_seconds,
