@@ -1116,3 +1116,20 @@ def test_costly_parts_that_lose_do_not_back_the_cheap_ones_off():
     # plain rounds in all but name, no evidence either way (counted, they would bring the lean rounds
     # down to 1.02x plain, under the margin)
     assert sum(asked_rounds(report_lean=True, cheap_every=5, cheap_tokens=1.2)[-100:]) > 90
+
+
+def test_a_drafter_without_gated_parts_is_judged_on_every_round_it_paid_for():
+    """Only ``auto`` reports lean rounds. For any other drafter the lean rounds are its rounds, all
+    of them: an expensive proposal pruned to nothing must count against asking (here after a run of
+    paying rounds), not be skipped as a lean round with nothing proposed."""
+    controller = Controller(FLAT)
+    run_rounds(controller, 10, accepted_of=lambda i: 3)  # drafting paid
+    asked = []
+    for _ in range(40):  # then every proposal costs half a plain step and is all pruned
+        asked.append(controller.wants_draft())
+        draft_seconds = 0.005 if asked[-1] else 0.0
+        controller.observe_round(
+            TokenTree([1], [-1]), [0], None, asked=asked[-1], committed=1,
+            forward_seconds=0.010, round_seconds=0.010 + draft_seconds, draft_seconds=draft_seconds,
+        )  # fmt: skip
+    assert sum(asked[-20:]) <= 8  # backed off: probes only (it asked in every round while skipped)

@@ -664,17 +664,16 @@ class Controller:
         # after a back-off, fresh evidence of how asking does now
         self.asked.add(committed, round_seconds, fresh=self.probing)
         self.asked_long.add(committed, round_seconds)
-        lean_tokens, lean_seconds, lean_nodes = lean if lean is not None else (committed, round_seconds, len(tree) - 1)
-        if lean_nodes > 0:
+        # without costly parts the lean round is the round itself, and evidence as every counted round is
+        lean_tokens, lean_seconds = (committed, round_seconds) if lean is None else lean[:2]
+        lean_evidence = lean is None or lean[2] > 0
+        if lean_evidence:
             self.asked_lean.add(lean_tokens, lean_seconds, fresh=self.probing)
+        judged_by = self.asked
         if self.asked_lean.rate is not None and self.asked_lean.rate > self.asked.rate:
             judged_by = self.asked_lean
-            if lean_nodes > 0:
-                committed, round_seconds = lean_tokens, lean_seconds
-            else:  # judged by the lean rounds, this one was a plain round in all but name
-                committed, round_seconds = 1, 1.0 / plain_rate
-        else:
-            judged_by = self.asked
+            # judged by the lean rounds, one with nothing proposed was a plain round in all but name
+            committed, round_seconds = (lean_tokens, lean_seconds) if lean_evidence else (1, 1.0 / plain_rate)
         loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
         self.backoff.note(loss, self.probing, self.asked.min_evidence)
         self.probing = False
