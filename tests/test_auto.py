@@ -429,3 +429,36 @@ def test_the_controller_hears_what_a_round_would_have_given_without_the_gated_pa
     for committed, seconds, (tokens, lean_seconds, nodes) in lean_rounds:
         assert 1 <= tokens <= committed and 0 < lean_seconds <= seconds and nodes >= 0
     assert all(lean is None for asked, _, _, lean in heard if not asked)
+
+
+def test_a_lean_round_counts_the_cheap_drafters_nodes_verified_not_proposed(monkeypatch):
+    """When the controller prunes every node of a round, the lean round (the n-gram drafter
+    alone) verified nothing: it reports no nodes, so the controller takes it for no evidence, as it
+    takes ``anpd``'s own rounds that verify nothing. Counting the nodes proposed made such rounds
+    evidence against asking, slightly lost, where ``anpd`` alone would not have counted them."""
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(24, 5, seed=3)
+    drafter = auto(model, perturbed_copy(model, scale=0.3), drafters="anpd,draft_model")
+    controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))
+    heard, proposed = [], []
+    plan, observe = Controller.plan, Controller.observe_round
+
+    def pruning_everything(self, draft, *args, **kwargs):
+        planned = plan(self, draft, *args, **kwargs)
+        proposed.append(sum(1 for source in draft.sources if source == "anpd"))
+        planned.keep = [False] * len(draft)
+        return planned
+
+    def hearing(self, tree, path, draft, **kwargs):
+        heard.append((len(tree), kwargs.get("lean")))
+        return observe(self, tree, path, draft, **kwargs)
+
+    monkeypatch.setattr(Controller, "plan", pruning_everything)
+    monkeypatch.setattr(Controller, "observe_round", hearing)
+    steps = engine.run(ModelRunner(model), prompt, drafter, SamplingParams(), 30, frozenset(), None, Stats(),
+                       controller)  # fmt: skip
+    assert [t for step in steps for t in step] == reference_greedy(model, prompt, 30)
+    assert sum(proposed) > 0  # the n-gram drafter proposed nodes, all pruned
+    lean_rounds = [lean for size, lean in heard if lean is not None]
+    assert lean_rounds and all(size == 1 for size, _ in heard)
+    assert all(nodes == 0 for _, _, nodes in lean_rounds)

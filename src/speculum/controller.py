@@ -616,11 +616,11 @@ class Controller:
         """What the round cost and gave: calibration from the verified nodes, the cost model from the
         forward, goodput from the whole round (drafting, ``draft_seconds`` of it, included).
 
-        ``lean``: (tokens, seconds, nodes proposed) the round would have given without the
+        ``lean``: (tokens, seconds, nodes verified) the round would have given without the
         drafter's costly parts (``auto``'s model-gated groups, which their gates turn on and off).
         Asking is judged by the better of the rounds as they were and as they would have been lean:
         a gate that is about to stop heads that lose should not have every drafter backed off with
-        them. A lean round with nothing proposed is not evidence, as a round that verifies nothing
+        them. A lean round that verifies nothing is not evidence, as a round that verifies nothing
         and costs next to nothing is not.
 
         ``rows`` > 1: the forward carried a batch of trees padded to ``padded`` nodes. The cost model
@@ -672,7 +672,7 @@ class Controller:
         judged_by = self.asked
         if self.asked_lean.rate is not None and self.asked_lean.rate > self.asked.rate:
             judged_by = self.asked_lean
-            # judged by the lean rounds, one with nothing proposed was a plain round in all but name
+            # judged by the lean rounds, one that verified nothing was a plain round in all but name
             committed, round_seconds = (lean_tokens, lean_seconds) if lean_evidence else (1, 1.0 / plain_rate)
         loss = round_seconds * plain_rate - committed  # plain steps lost against plain decoding
         self.backoff.note(loss, self.probing, self.asked.min_evidence)

@@ -505,11 +505,8 @@ class AutoDrafter(Drafter):
             ran = {group for group in self._deciding if self._used[group]}
             if ran and "row_seconds" not in outcome.stats:
                 lean = self._without(ran, outcome, seconds)
-                if lean is not None:  # (tokens, seconds saved, nodes the other drafters proposed)
-                    nodes = sum(
-                        len(p.draft) for p in self.parts if p.draft is not None and GATE_GROUPS.get(p.name) not in ran
-                    )
-                    outcome.stats["lean_round"] = (lean[0], seconds - lean[1], nodes)
+                if lean is not None:  # (tokens, seconds saved, the other drafters' nodes verified)
+                    outcome.stats["lean_round"] = (lean[0], seconds - lean[1], self._verified_without(ran, outcome))
         for part in self.parts:
             part.drafter.observe(ctx, self._outcome_for(part, outcome))
             part.draft = None
@@ -541,6 +538,19 @@ class AutoDrafter(Drafter):
         drafting = sum(self._drafting.get(group, 0.0) for group in groups)
         saved = drafting + max(node_cost(n) - node_cost(n - len(verified)), 0.0)
         return cut + 1.0, max(seconds - saved, 1e-6)
+
+    def _verified_without(self, groups: set[str], outcome: Outcome) -> int:
+        """How many nodes the drafters outside ``groups`` had verified this round: the lean round's
+        tree. Proposed nodes the controller pruned do not count: alone, those drafters would have
+        verified nothing, a round the controller does not count either way."""
+        node_of = outcome.target.tree.node_of if outcome.target is not None else []
+        cheap = {
+            node
+            for part in self.parts
+            if part.draft is not None and GATE_GROUPS.get(part.name) not in groups
+            for node in part.nodes
+        }
+        return sum(1 for node in cheap if node < len(node_of) and node_of[node] >= 0)
 
     def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
         """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own
