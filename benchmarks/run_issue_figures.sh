@@ -723,3 +723,9 @@ speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-lean
   --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,ctc,auto"
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-lean2-p30 \
   --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,auto"
+# ---- issue #18, thirty-first pass (the same Xeon): a lean round counts the cheap drafters' nodes verified (4fb68be);
+# the Qwen pair at T = 1 on MT-bench and WMT16 with the stock kernel for small forwards and auto's lean judgement
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-p31 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_assisted,draft_model,ouroboros,auto"
+python benchmarks/controller_bars.py $OUT/i18/qwen-avx512-t1-chat-p31/summary.json
