@@ -402,6 +402,35 @@ def test_exploring_stops_when_the_frontier_is_known_to_lose():
     assert explored * extra <= 0.02 * 600 * PHRASE_COST(5) + 4 * PHRASE_COST(1)  # within the budget
 
 
+def test_a_round_that_explores_is_judged_as_its_plan_would_have_gone():
+    """Exploring buys calibration out of its own budget. A round that verified a whole tree to
+    explore is judged as the pruned plan would have gone, so the extra nodes' cost does not also
+    back asking off: here the chain's rounds pay (2 tokens for 0.011 s against a 0.010 s plain
+    step) and a phrase below the chain's end, never reached, is explored again and again (its
+    first node is learnt of only when the chain's end is accepted) at 0.030 s a whole tree."""
+    cost = CostModel([(1, 0.010), (5, 0.011), (9, 0.030)])
+    controller = Controller(cost, explore_share=1.0)
+    whole = frozenset({"draft_model"})
+    asked = explored = 0
+    for _ in range(300):
+        if not controller.wants_draft():
+            controller.observe_round(
+                TokenTree([1], [-1]), [0], None, asked=False, committed=1,
+                forward_seconds=cost(1), round_seconds=cost(1),
+            )  # fmt: skip
+            continue
+        draft = chain_and_phrase()
+        plan = controller.plan(draft, 20, whole_sources=whole)
+        tree = TokenTree.from_draft(1, draft, keep=plan.keep)
+        asked, explored = asked + 1, explored + plan.explored
+        seconds = cost(len(tree))
+        controller.observe_round(
+            tree, [0, 1], draft, asked=True, committed=2, forward_seconds=seconds, round_seconds=seconds,
+        )  # fmt: skip
+    assert explored > 20  # it kept exploring
+    assert asked > 290  # and kept asking (judged whole, the explored rounds backed it off: 29 of 300)
+
+
 def test_sampled_requests_carry_the_back_off_over_and_greedy_ones_restart_it():
     for carry in (False, True):
         controller = Controller(FLAT, carry_backoff=carry)
