@@ -729,3 +729,11 @@ speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2
   --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-avx512-t1-chat-p31 \
   --methods "autoregressive,autoregressive#2,hf_generate,hf_assisted,draft_model,ouroboros,auto"
 python benchmarks/controller_bars.py $OUT/i18/qwen-avx512-t1-chat-p31/summary.json
+# the interleaved trace that found auto backing off after exploring (Gemma, T = 1, report sets; not a timed figure)
+python benchmarks/trace_rounds.py --methods "autoregressive;anpd;auto" --dataset humaneval,gsm8k,mt_bench --limit 5 \
+  --temperature 1 --seed 0 --out $OUT/i18/trace-gemma-t1-interleaved-p31.jsonl
+# an explored round judged as its plan would have gone (f1e9026): the tuning prompts at T = 1, the code before (A, from a
+# worktree of 840675a: PYTHONPATH=/tmp/wt-old/src) and after (B), each run with its own plain row
+T31="--model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 --max-new-tokens 128 --temperature 1 --seed 0"
+PYTHONPATH=/tmp/wt-old/src speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-explore-A-p31
+speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-explore-B-p31
