@@ -38,7 +38,9 @@ decoding:
   reach is small before any evidence, and the controller pruned all of them while they gave 1.6 of
   every 4 accepted tokens uncontrolled): while a pruned node's bin has less than
   ``EXPLORE_EVIDENCE`` samples and its parent is kept, a round verifies the whole proposal whenever a budget, filled at
-  ``explore_share`` of the time spent, covers what the extra nodes cost under t(n).
+  ``explore_share`` of the time spent, covers what the extra nodes cost under t(n). Such a round is
+  judged as the plan it overrode would have gone (its budget pays for the extra nodes; judged
+  whole, exploring also backed asking off).
 - **Batches.** In a batch the rows of a configuration draft or not together, step by step
   (:class:`BatchVerdict`: one per batch size, shared by the rows' controllers and kept across
   requests): a draft model then runs for all of them or none, and where drafting does not pay at
