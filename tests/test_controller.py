@@ -1078,6 +1078,20 @@ def test_the_prediction_covers_the_rounds_it_is_compared_with():
     assert stats.predicted_time > 0
 
 
+def pruned_rounds(controller, rounds, plain_seconds):
+    """Rounds whose proposals cost half a plain step (0.005 s) and are all pruned (a one-token
+    forward of 0.010 s, the round ``plain_seconds`` besides the drafting); whether each was asked."""
+    asked = []
+    for _ in range(rounds):
+        asked.append(controller.wants_draft())
+        draft_seconds = 0.005 if asked[-1] else 0.0
+        controller.observe_round(
+            TokenTree([1], [-1]), [0], None, asked=asked[-1], committed=1,
+            forward_seconds=0.010, round_seconds=plain_seconds + draft_seconds, draft_seconds=draft_seconds,
+        )  # fmt: skip
+    return asked
+
+
 def test_an_over_high_plain_step_is_found_out_by_rounds_that_verify_nothing():
     """Issue #18: `ctc` was asked in every round of three requests while its trees were pruned to
     nothing, at ~10 ms of proposal a round. A round that verifies nothing and drafts for under 5%
@@ -1092,15 +1106,7 @@ def test_an_over_high_plain_step_is_found_out_by_rounds_that_verify_nothing():
             TokenTree([1], [-1]), [0], None, asked=False, committed=1,
             forward_seconds=first_plain_seconds, round_seconds=first_plain_seconds,
         )  # fmt: skip
-        asked = []
-        for _ in range(100):  # proposals that cost half a plain step, all pruned
-            asked.append(controller.wants_draft())
-            draft_seconds = 0.005 if asked[-1] else 0.0
-            controller.observe_round(
-                TokenTree([1], [-1]), [0], None, asked=asked[-1], committed=1,
-                forward_seconds=0.010, round_seconds=0.0101 + draft_seconds, draft_seconds=draft_seconds,
-            )  # fmt: skip
-        return controller, asked
+        return controller, pruned_rounds(controller, 100, plain_seconds=0.0101)
 
     measured_busy, asked_busy = asked_rounds(0.2)  # a plain round while another tenant held the cores
     _, asked_right = asked_rounds(0.0101)
@@ -1150,15 +1156,8 @@ def test_costly_parts_that_lose_do_not_back_the_cheap_ones_off():
 def test_a_drafter_without_gated_parts_is_judged_on_every_round_it_paid_for():
     """Only ``auto`` reports lean rounds. For any other drafter the lean rounds are its rounds, all
     of them: an expensive proposal pruned to nothing must count against asking (here after a run of
-    paying rounds), not be skipped as a lean round with nothing proposed."""
+    paying rounds), not be skipped as a lean round that verifies nothing."""
     controller = Controller(FLAT)
     run_rounds(controller, 10, accepted_of=lambda i: 3)  # drafting paid
-    asked = []
-    for _ in range(40):  # then every proposal costs half a plain step and is all pruned
-        asked.append(controller.wants_draft())
-        draft_seconds = 0.005 if asked[-1] else 0.0
-        controller.observe_round(
-            TokenTree([1], [-1]), [0], None, asked=asked[-1], committed=1,
-            forward_seconds=0.010, round_seconds=0.010 + draft_seconds, draft_seconds=draft_seconds,
-        )  # fmt: skip
+    asked = pruned_rounds(controller, 40, plain_seconds=0.010)  # then every proposal is all pruned
     assert sum(asked[-20:]) <= 8  # backed off: probes only (it asked in every round while skipped)
