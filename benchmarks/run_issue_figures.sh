@@ -566,6 +566,13 @@ python benchmarks/round_breakdown.py $OUT/i18/wmt-greedy-p21
 speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-long --texts "$TEXTS" --generate 256 \
     --data heads/qwen-medusa/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
     --standardize --lr 3e-4 --epochs 4 --max-examples 75000 --threads 2
+# (done in the sixth pass: the 360-prompt data only, the fourth pass's recipe retrained in float32 on an Xeon without
+# native bf16, then β at 16 and 63 nodes on tuning prompts: neither report (the first 20) nor training prompts)
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc --texts "$TEXTS" --generate 256 \
+    --data heads/qwen-medusa/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 \
+  --methods "medusa:tree_nodes=16;medusa:tree_nodes=63;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=63;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=16,tree_nodes=63"
 # ---- issue #18, twenty-second pass: an AVX2-only host (dtype="auto" gives prepacked float32): both models' report
 # sets greedy at 128 tokens; then lookahead alone greedy and at T = 1 with commit e84f173 (its windows verified whole or
 # not at all; reverted by 2037a03: see BENCHMARKS.md); then what a chain and a tree of n nodes cost
@@ -737,3 +744,11 @@ python benchmarks/trace_rounds.py --methods "autoregressive;anpd;auto" --dataset
 T31="--model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 --max-new-tokens 128 --temperature 1 --seed 0"
 PYTHONPATH=/tmp/wt-old/src speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-explore-A-p31
 speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-explore-B-p31
+# ---- issue #18, thirty-second pass (the same Xeon): Gemma 3 270M's report sets at T = 1, every method, with f1e9026;
+# then a sampled request probing at once while keeping the carried back-off's length (branch wip/probe-each-request,
+# worktree /tmp/wt-probe), A against B on the tuning prompts, each run with its own plain row
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-p32 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-t1-p32/summary.json
+speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-probe-A-p32
+PYTHONPATH=/tmp/wt-probe/src speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-probe-B-p32  # results/issue18-gemma-tuning-t1-probe-{A,B}-p32.md
