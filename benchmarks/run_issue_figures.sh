@@ -573,6 +573,10 @@ speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc --tex
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
   --max-new-tokens 128 --batch 12 --threads 2 \
   --methods "medusa:tree_nodes=16;medusa:tree_nodes=63;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=63;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=16,tree_nodes=63"
+# (started, next pass: the paper's regulariser, --noise 0.2, same data and budget; then its β as above)
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-noise --texts "$TEXTS" --generate 256 \
+    --data heads/qwen-medusa/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2 \
+    --noise 0.2
 # ---- issue #18, twenty-second pass: an AVX2-only host (dtype="auto" gives prepacked float32): both models' report
 # sets greedy at 128 tokens; then lookahead alone greedy and at T = 1 with commit e84f173 (its windows verified whole or
 # not at all; reverted by 2037a03: see BENCHMARKS.md); then what a chain and a tree of n nodes cost
