@@ -756,3 +756,23 @@ speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-avx512-t1-p32 
 python benchmarks/controller_bars.py $OUT/i18/gemma-avx512-t1-p32/summary.json
 speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-probe-A-p32
 PYTHONPATH=/tmp/wt-probe/src speculum bench $T31 --methods autoregressive,anpd,auto --out $OUT/i18/gemma-tuning-t1-probe-B-p32  # results/issue18-gemma-tuning-t1-probe-{A,B}-p32.md
+# ---- issue #18, thirty-third pass: back on an AVX-512-bf16 AMD EPYC (dtype="auto" -> bfloat16, prepacked), the code
+# of the thirty-second pass: both models' report sets greedy and at T = 1, every method, in one session
+speculum bench $G22 --out $OUT/i18/gemma-bf16-greedy-p33 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+python benchmarks/controller_bars.py $OUT/i18/gemma-bf16-greedy-p33/summary.json
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --out $OUT/i18/qwen-bf16-greedy-p33 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_assisted,prompt_lookup,anpd,draft_model,ouroboros,auto"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-t1-p33 \
+  --methods "autoregressive,autoregressive#2,hf_generate,hf_prompt_lookup,anpd,prompt_lookup,lookahead,medusa,ctc,auto"
+speculum bench --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --limit 5 --max-new-tokens 128 --temperature 1 --seed 0 --out $OUT/i18/qwen-bf16-t1-p33 \
+  --methods "autoregressive,hf_generate,hf_assisted,draft_model,ouroboros,auto"  # no second plain row: it did not fit the session
+# lookahead's two CPU settings on the tuning prompts on this class (the files made as in the ninth and twenty-first
+# passes above: /tmp/mt101-105.jsonl = MT-bench 101-105, /tmp/wmt21-25.jsonl = WMT16 21-25), greedy and at T = 1
+T33="--model gemma-3-270m --threads 2 --dataset mbpp,/tmp/mt101-105.jsonl,/tmp/wmt21-25.jsonl --limit 5 --max-new-tokens 128"
+speculum bench $T33 --out $OUT/i18/gemma-bf16-lookahead-tuning-p33 \
+  --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
+speculum bench $T33 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-lookahead-tuning-t1-p33 \
+  --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"

@@ -58,9 +58,6 @@ DEFAULT_METHOD = "auto"
 # A machine class ("cpu/avx2", see machine_class) listed here replaces its device's setting of each
 # method it names, whole.
 PRESETS = ("machine", "paper")
-# lookahead's setting where a tree costs much more per node than one token: one Jacobi column of 3
-# levels, the prompt's n-grams in the pool (the measurements are with each class below)
-ONE_COLUMN_LOOKAHEAD = {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True}
 MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
         # `speculum tune --method ouroboros --dataset mbpp` (benchmarks/results/ouroboros-qwen-tuned.json)
@@ -83,33 +80,26 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         # at 0.8 until the controller's chain stop decided the depth (twenty-first pass: 0.5 with it,
         # 1.17x against 0.8 without, 1.15x, at T=1 on the tuning prompts)
         "draft_model": {"length_policy": "confidence", "confidence_threshold": 0.5, "num_speculative_tokens": 20},
-        # W=N=G=4: a 7x5x7 window and guess set costs more than it returns on CPU verification
-        "lookahead": {"window_size": 4, "ngram_size": 4, "guess_set_size": 4},
+        # one Jacobi column (W=1, N=G=4) with the prompt's n-grams in the pool: LADE's 7x5x7 window
+        # and guess set cost more than they return on CPU verification, and so did W=N=G=4 (the
+        # setting until issue #18's thirty-third pass) on each class of CPU it was measured on. On the
+        # tuning prompts (MBPP 1-5, MT-bench 101-105, WMT16 21-25; Gemma 3 270M, 128 tokens), one
+        # column against W=N=G=4: AVX2, float32, 1.02/1.35/1.47x plain against 0.97/1.13/1.11x
+        # (issue18-gemma-avx2-fp32-lookahead-tuning-p24.md; W=2 1.02/1.29/1.44x; without the
+        # prompt's n-grams, 3x3x3 1.03/1.17/1.26x); AVX-512 without native bf16, float32,
+        # 1.05/1.43/1.59x against 0.91/1.30/1.23x (...-avx512-fp32-lookahead-tuning-p27.md);
+        # AVX-512 with native bf16, bfloat16, 1.38/1.59/1.93x against 0.99/1.32/1.49x greedy and
+        # 1.15x against 1.05x over the sets at T=1 (...-bf16-lookahead-tuning{,-t1}-p33.md). The
+        # window's probes verify 3 nodes instead of 12; the guesses bring most accepted tokens
+        "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
         # the likeliest output prefixes: chosen by `speculum tune` for the Qwen 1.5B module (mbpp), and
         # more accepted tokens for Gemma's shipped module on its tuning prompts (issue #20)
         "ctc": {"tree": "prefix"},
     },
-    # AVX2-only CPUs (no AVX-512), where verifying a tree costs more per node than on the AVX-512
-    # hosts the settings above were measured on (Gemma 3 270M in float32: a 13-node lookahead
-    # forward 1.6 plain steps). Chosen on the tuning prompts (MBPP 1-5, MT-bench 101-105, WMT16
-    # 21-25; 128 tokens), issue #18, twenty-fourth pass
-    "cpu/avx2": {
-        # one Jacobi column of 3 levels and the prompt's n-grams in the pool: 1.02/1.35/1.47x plain
-        # where W=N=G=4 gave 0.97/1.13/1.11x (W=2 1.02/1.29/1.44x; without the prompt's n-grams,
-        # 3x3x3 1.03/1.17/1.26x; benchmarks/results/issue18-gemma-avx2-fp32-lookahead-tuning-p24.md).
-        # The window's probes verify 3 nodes instead of 12, and the guesses bring most accepted tokens
-        "lookahead": ONE_COLUMN_LOOKAHEAD,
-    },
-    # AVX-512 CPUs without native bfloat16 (float32), where one- and two-token forwards run on the
-    # stock kernel (81 ms for Gemma 3 270M) and wider ones packed (100 ms and up): a 12-node window
-    # costs 1.25 plain steps or more. Chosen on the tuning prompts (MBPP 1-5, MT-bench 101-105,
-    # WMT16 21-25; 128 tokens): the AVX2 setting gave 1.05/1.43/1.59x plain where W=N=G=4 gave
-    # 0.91/1.30/1.23x (benchmarks/results/issue18-gemma-avx512-fp32-lookahead-tuning-p27.md,
-    # issue #18, twenty-seventh pass). Hosts with native bfloat16 are "cpu/avx512_bf16" and keep
-    # the device's setting, measured there.
-    "cpu/avx512": {
-        "lookahead": ONE_COLUMN_LOOKAHEAD,
-    },
+    # A class of CPU whose measurements differ from the device's gets an entry here ("cpu/avx2":
+    # {...}); none does today: the one that did, lookahead on AVX2 and on AVX-512 without native
+    # bf16 (issue #18, twenty-fourth and twenty-seventh passes), won on the third class too and
+    # became the CPU setting.
 }
 
 
