@@ -999,10 +999,15 @@ def test_sampled_chains_the_controller_stops_stay_exact():
             p3 = dist(prompt + [a, b])
             for c in torch.nonzero(p3 > 0).flatten().tolist():
                 exact[(a, b, c)] = p1[a].item() * p2[b].item() * p3[c].item()
-    # the cost model kept as given (the machine's timings do not move it), and draft forwards that
-    # cost next to nothing or five plain steps at random (independent of the tokens): some chains
+    # the cost model kept as given (the machine's timings do not move it, below), and draft forwards
+    # that cost next to nothing or five plain steps at random (independent of the tokens): some chains
     # are stopped, others go on, whatever this machine's speed
     controller = Controller(CostModel([(1, 0.010), (8, 0.011)], 0.0), carry_backoff=True)
+    # the curve would rescale itself to forwards that keep landing 3x off it (a tiny model's take
+    # 0.3-2 ms by the host), and the plain step would be measured: on a fast host the cheap draft
+    # forward then cost a plain step or more and no chain went on. Neither listens to the clock here
+    controller.cost.observe = lambda n, seconds: None
+    controller._measure_plain = lambda seconds, forward_seconds: None
     drafter = build_drafter("draft_model", draft, 16, length_policy="fixed", num_speculative_tokens=4)
     drafter.clock = _RandomClock([0.0005, 0.05], seed=0)
     gen = torch.Generator(model.device).manual_seed(5)
