@@ -776,3 +776,7 @@ speculum bench $T33 --out $OUT/i18/gemma-bf16-lookahead-tuning-p33 \
   --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
 speculum bench $T33 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-lookahead-tuning-t1-p33 \
   --methods "autoregressive,lookahead,lookahead:window_size=1,ngram_size=4,guess_set_size=4,pool_from_prompt=true"
+# lookahead with its new CPU setting (one column, c8a7735) on the report sets, greedy and at T = 1
+speculum bench $G22 --out $OUT/i18/gemma-bf16-lookahead-report-p33 --methods "autoregressive,autoregressive#2,lookahead"
+speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-lookahead-report-t1-p33 \
+  --methods "autoregressive,autoregressive#2,lookahead"
