@@ -194,10 +194,12 @@ def print_stats(result, config, dtype_choice=None, row_padding=None, device_type
         table.add_row(name, value)
     err.print(table)
     if device_type is not None and config.preset == "machine":  # whose measured settings the method ran with
-        from speculum.methods import machine_class
+        from speculum.methods import MACHINE_DEFAULTS, machine_class
 
         klass = machine_class(device_type)
-        err.print(f"defaults: measured for {klass} (preset=paper: the published ones)", markup=False)
+        # a class without a setting of its own runs its device's (measured on every class of it)
+        where = klass if klass in MACHINE_DEFAULTS else f"{device_type} (this machine: {klass})"
+        err.print(f"defaults: measured for {where} (preset=paper: the published ones)", markup=False)
     if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
