@@ -780,3 +780,21 @@ speculum bench $T33 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-lookahead
 speculum bench $G22 --out $OUT/i18/gemma-bf16-lookahead-report-p33 --methods "autoregressive,autoregressive#2,lookahead"
 speculum bench $G22 --temperature 1 --seed 0 --out $OUT/i18/gemma-bf16-lookahead-report-t1-p33 \
   --methods "autoregressive,autoregressive#2,lookahead"
+# ---- issue #20, seventh pass (AVX-512-bf16 EPYC): the 360-prompt data rebuilt from the committed continuations straight
+# into heads/qwen-ctc by the CTC trainer, the fourth pass's module as the control, then two levers on the same data and
+# budget (the paper's noise; the released code's 6 frames and 3-token labels), β on the tuning prompts
+T="mbpp[100:200],gsm8k[100:200],wmt16[100:200],mt_bench[20:]"
+mkdir -p heads/qwen-ctc && cp benchmarks/data/qwen2.5-coder-1.5b-continuations.jsonl heads/qwen-ctc/continuations.jsonl
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc --texts "$T" --generate 256 \
+  --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-noise --texts "$T" --generate 256 \
+  --data heads/qwen-ctc/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2 --noise 0.2
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-s6l3 --texts "$T" --generate 256 \
+  --data heads/qwen-ctc/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2 \
+  --slots 6 --label-length 3
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 \
+  --methods "medusa:tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc-noise,tree=prefix,top_k=8,tree_nodes=16"
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 \
+  --methods "ctc:heads=heads/qwen-ctc-s6l3,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16"
