@@ -114,9 +114,14 @@ def save_random_heads(kind: str, target, path, seed: int = 0, **shape):
             torch.nn.init.normal_(p, std=0.5)
     else:
         module = CTCDraftModule(hidden, vocab, shape.get("slots", 6), shape.get("label_length", 3), 4, 2,
-                                slot_blocks=shape.get("slot_blocks", False))  # fmt: skip
+                                slot_blocks=shape.get("slot_blocks", False),
+                                refine=shape.get("refine", False))  # fmt: skip
         if module.slot_blocks:  # (they start at zero)
             torch.nn.init.normal_(module.slot_weight, std=0.2)
+        if module.refine:  # (the second pass starts as the identity)
+            refining = (*module.refine_layer.parameters(), *module.choice_in.parameters(), module.blank_embedding)
+            for parameter in refining:
+                torch.nn.init.normal_(parameter, std=0.2)
     save_draft_head(module, path, target)
     return str(path)
 

@@ -177,9 +177,10 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("kind,slot_blocks", [("medusa", False), ("ctc", False), ("ctc", True)])
-def test_checkpoint_round_trip(kind, slot_blocks, llama, tmp_path):
-    path = save_random_heads(kind, llama, tmp_path / kind, slot_blocks=slot_blocks)
+@pytest.mark.parametrize("kind,slot_blocks,refine", [("medusa", False, False), ("ctc", False, False),
+                                                     ("ctc", True, False), ("ctc", True, True)])  # fmt: skip
+def test_checkpoint_round_trip(kind, slot_blocks, refine, llama, tmp_path):
+    path = save_random_heads(kind, llama, tmp_path / kind, slot_blocks=slot_blocks, refine=refine)
     loaded = load_draft_head(path, kind, llama)
     again = load_draft_head(path, kind, llama)
     for (name, a), b in zip(loaded.state_dict().items(), again.state_dict().values(), strict=True):
@@ -188,8 +189,9 @@ def test_checkpoint_round_trip(kind, slot_blocks, llama, tmp_path):
     if kind == "medusa":
         assert loaded(hidden[:, -1]).shape == (1, 3, VOCAB)
     else:
-        assert loaded(hidden, torch.randn(1, llama.config.hidden_size)).shape == (1, 6, VOCAB + 1)
-        assert loaded.blank_index == VOCAB and loaded.slot_blocks == slot_blocks
+        embed = llama.get_input_embeddings()
+        assert loaded(hidden, torch.randn(1, llama.config.hidden_size), embed=embed).shape == (1, 6, VOCAB + 1)
+        assert loaded.blank_index == VOCAB and loaded.slot_blocks == slot_blocks and loaded.refine == refine
     # the projection is the target's own LM head
     assert torch.equal(loaded.projection.weight, llama.get_output_embeddings().weight.float().cpu())
 
@@ -250,6 +252,7 @@ def arch(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     heads = {kind: save_random_heads(kind, model, path / kind) for kind in ("medusa", "ctc")}
     heads["ctc-slots"] = save_random_heads("ctc", model, path / "ctc-slots", slot_blocks=True)
+    heads["ctc-refine"] = save_random_heads("ctc", model, path / "ctc-refine", slot_blocks=True, refine=True)
     prompts = [repetitive_prompt(24, 5, 0), repetitive_prompt(9, 4, 2), [5]]
     return model, heads, prompts, [reference_greedy(model, p, NEW) for p in prompts]
 
@@ -265,12 +268,15 @@ def arch(request, tmp_path_factory):
         ("ctc", {"tree": "mass", "tree_nodes": 12}),
         ("ctc", {"tree": "prefix", "tree_nodes": 12}),
         ("ctc", {"tree": "prefix", "top_k": 2, "tree_nodes": 20, "slot_blocks": True}),
+        ("ctc", {"tree": "prefix", "tree_nodes": 12, "refine": True}),
     ],
 )
 def test_greedy_output_equals_plain_decoding(arch, kind, params):
     model, heads, prompts, refs = arch
     if params.pop("slot_blocks", False):
         heads = {kind: heads["ctc-slots"]}
+    if params.pop("refine", False):
+        heads = {kind: heads["ctc-refine"]}
     drafter = build_drafter(kind, target=model, heads=heads[kind], **params)
     drafted = 0
     for prompt, ref in zip(prompts, refs, strict=True):
@@ -326,13 +332,16 @@ def _toy_texts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind,precision,standardize,noise",
-    [("medusa", "float32", False, 0.0), ("ctc", "float32", False, 0.2), ("ctc", "bfloat16", True, 0.0)],
-)
-def test_training_lowers_validation_loss_and_resumes(kind, precision, standardize, noise, speculum_llama, tmp_path):
+    "kind,precision,standardize,noise,refine",
+    [("medusa", "float32", False, 0.0, False), ("ctc", "float32", False, 0.2, False),
+     ("ctc", "bfloat16", True, 0.0, False), ("ctc", "bfloat16", False, 0.0, True)],
+)  # fmt: skip
+def test_training_lowers_validation_loss_and_resumes(
+    kind, precision, standardize, noise, refine, speculum_llama, tmp_path
+):
     """Trains in float32 or in bfloat16 mixed precision (the forward autocast, as ``precision="auto"``
     does on a CPU with native bf16); the CTC module with its memory standardised too, or with noise
-    on its training inputs."""
+    on its training inputs, or with its refining second pass."""
     from speculum.training import draft_heads
     from speculum.training.texts import training_texts
 
@@ -343,7 +352,7 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, standardiz
     settings = draft_heads.HeadSettings(kind, num_heads=3, slots=6, label_length=3, context=4, draft_vocab=48,
                                         epochs=6, lr=1e-2, batch_size=32, val_fraction=0.2,
                                         consistent=False, precision=precision,
-                                        standardize=standardize, noise=noise)  # fmt: skip
+                                        standardize=standardize, noise=noise, refine=refine)  # fmt: skip
     data, _ = draft_heads.load_or_make_data(speculum_llama, texts, draft_heads.DistillSettings(), out / "d.st")
     examples = draft_heads.Examples(data, settings.span, settings.context, consistent=False)
     vocab, coverage = draft_heads.choose_draft_vocab(data, 48)
@@ -360,6 +369,8 @@ def test_training_lowers_validation_loss_and_resumes(kind, precision, standardiz
     config = json.loads((out / "config.json").read_text())
     assert config["kind"] == kind and config["training"]["history"] == history
     assert config["training"]["precision"] == precision and config["training"]["settings"]["noise"] == noise
+    if refine:  # the second pass learnt something of its own (it starts as the identity)
+        assert config["shape"]["refine"] and module.choice_in.weight.abs().max() > 0
     if standardize:  # the statistics were measured and saved
         assert not torch.equal(module.hidden_std, torch.ones_like(module.hidden_std))
     if kind == "medusa":
@@ -733,8 +744,51 @@ def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fa
         assert torch.allclose(logits, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded, llama, monkeypatch):
+def test_the_refining_pass_reads_the_first_passs_choices(llama):
+    """With ``refine`` the module's second layer re-reads the frames with the embedding of each
+    frame's top-1 choice (the target's, or the blank's own): it starts as the identity, it is fed
+    exactly the first pass's choices, and the first pass does not depend on them."""
+    from speculum.heads.ctc import CTCDraftModule
+
+    torch.manual_seed(0)
+    hidden, vocab = llama.config.hidden_size, torch.arange(3, VOCAB, 2)  # draft index != token id
+    module = CTCDraftModule(hidden, vocab, slots=5, label_length=2, context=4, num_attention_heads=4,
+                            slot_blocks=True, refine=True)  # fmt: skip
+    module.projection.attach(llama.get_output_embeddings().weight)
+    module.eval()
+    memory, root = torch.randn(3, 4, hidden), torch.randn(3, hidden)
+    seen = []
+
+    def embed(tokens):
+        seen.append(tokens.clone())
+        return llama.get_input_embeddings()(tokens)
+
+    with torch.no_grad():
+        first, second = module(memory, root, embed=embed, every_pass=True)
+        assert torch.equal(first, second)  # the identity start
+        refining = (*module.refine_layer.parameters(), *module.choice_in.parameters(), module.blank_embedding)
+        for parameter in refining:
+            parameter.normal_(std=0.2)
+        first = module(memory, root, embed=embed, every_pass=True)[0]
+        module.blank.bias += (first[..., :-1].max(-1).values - first[..., -1]).median()  # some frames choose it
+        seen.clear()
+        first, second = module(memory, root, embed=embed, every_pass=True)
+        choice = first.argmax(-1)
+        blank = choice == module.blank_index
+        assert blank.any() and not blank.all()
+        assert torch.equal(seen[-1][~blank], vocab[choice[~blank]])  # target token ids, not draft indices
+        assert not torch.allclose(first, second)
+        assert torch.equal(module(memory, root, embed=embed), second)  # the drafts come from the last pass
+        shifted = module(memory, root, embed=lambda t: llama.get_input_embeddings()(t) + 1.0, every_pass=True)
+        assert torch.equal(shifted[0], first) and not torch.allclose(shifted[1], second)
+        module.blank_embedding.zero_()  # the blank's frames read the blank's own embedding
+        assert not torch.allclose(module(memory, root, embed=embed), second)
+    with pytest.raises(ValueError, match="embed"):
+        module(memory, root)
+
+
+@pytest.mark.parametrize("padded,refine", [(False, False), (True, False), (True, True)])
+def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded, refine, llama, monkeypatch):
     """In float32 on a CPU without native bf16 the CTC module drafts through a copy of its layer
     with prepacked matrices (speculum.heads.ctc.PackedDecoderLayer): same outputs, rounding aside,
     with and without padded memory, for the whole module too."""
@@ -746,7 +800,9 @@ def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded,
     monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
     torch.manual_seed(0)
     hidden = llama.config.hidden_size
-    module = CTCDraftModule(hidden, torch.arange(VOCAB), slots=4, label_length=2, context=6, num_attention_heads=4)
+    module = CTCDraftModule(hidden, torch.arange(VOCAB), slots=4, label_length=2, context=6, num_attention_heads=4,
+                            refine=refine)  # fmt: skip
+    embed = llama.get_input_embeddings() if refine else None
     with torch.no_grad():
         for parameter in module.parameters():  # away from the identity start, so every branch counts
             parameter.add_(0.05 * torch.randn_like(parameter))
@@ -757,9 +813,10 @@ def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded,
     if padded:
         padding[1, :3] = True  # the second text began three positions ago
     with torch.inference_mode():
-        stock = module(memory, root, padding if padded else None)
+        stock = module(memory, root, padding if padded else None, embed=embed)
         assert not module.for_inference() and module.packed_layer is not None
-        packed = module(memory, root, padding if padded else None)
+        assert (module.packed_refine_layer is not None) == refine
+        packed = module(memory, root, padding if padded else None, embed=embed)
     assert "packed_layer" not in "".join(module.state_dict())  # an inference copy, never saved
     assert torch.allclose(packed, stock, rtol=1e-4, atol=1e-4 * stock.abs().max().item())
 

@@ -640,6 +640,10 @@ def train_ctc_drafter(
         bool,
         typer.Option(help="Give every slot its own residual block over the fused state (as a Medusa head has)."),
     ] = True,
+    refine: Annotated[
+        bool,
+        typer.Option(help="A second layer re-reads the frames with each frame's top-1 choice embedded (experiment)."),
+    ] = False,
 ) -> None:
     """Train CTC-drafter's attention draft module (one transformer layer, CTC loss) on the frozen target."""
     from speculum.training.draft_heads import DistillSettings, HeadSettings
@@ -648,6 +652,7 @@ def train_ctc_drafter(
         "ctc", slots=slots, label_length=label_length, context=context, draft_vocab=draft_vocab, epochs=epochs,
         lr=lr, batch_size=batch_size, seed=seed, max_examples=max_examples, tree_nodes=tree_nodes,
         consistent=consistent, precision=precision, standardize=standardize, slot_blocks=slot_blocks, noise=noise,
+        refine=refine,
     )  # fmt: skip
     common = dict(device=device, dtype=dtype, threads=threads, regenerate=regenerate, resume=resume, data=data,
                   extra_data=extra_data)  # fmt: skip

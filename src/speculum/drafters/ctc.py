@@ -169,7 +169,7 @@ class CTCDrafter(HeadDrafter):
             return None
         device = self.module.fuse.weight.device
         root = torch.tensor([ctx.tokens[-1]], device=self.embeddings.weight.device)
-        logits = self.module(memory[None].to(device), self.embeddings(root).to(device))[0]  # [slots, vocab + 1]
+        logits = self.module(memory[None].to(device), self.embed(root), embed=self.embed)[0]  # [slots, vocab + 1]
         logprobs = logits.float().log_softmax(dim=-1)
         blank = self.module.blank_index
         if not self.options.ctc_transform:
@@ -195,6 +195,10 @@ class CTCDrafter(HeadDrafter):
         )
         self.time_tree += time.perf_counter() - started
         return draft if len(draft) else None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of ``tokens``, on the module's device."""
+        return self.embeddings(tokens.to(self.embeddings.weight.device)).to(self.module.fuse.weight.device)
 
     def prefix_draft(self, logprobs: torch.Tensor, top: torch.Tensor, ctx: DraftContext) -> Draft:
         """The tree of the likeliest output prefixes (:func:`prefix_search`), extended with every

@@ -13,6 +13,13 @@ memory. Each frame's output goes through the target's frozen LM head over the dr
 (:mod:`speculum.heads.projection`) plus one extra logit: the CTC blank, a symbol of its own that
 is never a real token (the released code reuses token 0, ``<unk>``).
 
+With ``refine`` (an experiment of issue #20, not in the paper), a second layer of the same shape
+reads the first pass's frames again with the embedding of each frame's top-1 choice added (the
+target's token embedding, or a learned one for the blank), so a frame sees what its neighbours
+chose, not only what they might choose: the released code gets the same from its autoregressive
+chain, one target-sized step per token; here it costs one more small layer for every frame at once.
+The first pass is trained with the same loss, so its choices stay meaningful.
+
 Trained with torch's CTC loss against the target's next ``label_length`` tokens, so the frames
 may spread those tokens over the slots with blanks and repeats; at inference the CTC transform
 (blanks dropped, adjacent repeats merged, :func:`speculum.drafters.ctc.ctc_collapse`) turns each
@@ -40,6 +47,7 @@ class CTCDraftModule(nn.Module):
         num_attention_heads: int | None = None,
         ffn_size: int | None = None,
         slot_blocks: bool = False,
+        refine: bool = False,
     ):
         super().__init__()
         if slots < label_length or label_length < 1 or context < 1:
@@ -54,6 +62,7 @@ class CTCDraftModule(nn.Module):
         self.num_attention_heads = heads
         self.ffn_size = ffn_size or 2 * hidden_size
         self.slot_blocks = slot_blocks
+        self.refine = refine
         # the target's hidden states per dimension (mean, spread), measured on the training data: the
         # memory is standardised with them and the output mapped back onto them for the LM head
         self.register_buffer("hidden_mean", torch.zeros(hidden_size))
@@ -70,17 +79,32 @@ class CTCDraftModule(nn.Module):
         if slot_blocks:  # each slot's own residual block over the fused state (zero: start as the identity)
             self.slot_weight = nn.Parameter(torch.zeros(slots, hidden_size, hidden_size))
             self.slot_bias = nn.Parameter(torch.zeros(slots, hidden_size))
-        self.layer = nn.TransformerDecoderLayer(
-            hidden_size, heads, self.ffn_size, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-        )
-        if slot_blocks:  # the layer's branches start at zero too: the module starts as the target's last state
-            for branch in (self.layer.self_attn.out_proj, self.layer.multihead_attn.out_proj, self.layer.linear2):
-                nn.init.zeros_(branch.weight)
-                nn.init.zeros_(branch.bias)
+        self.layer = self._decoder_layer(zero_branches=slot_blocks)
+        if refine:
+            # the second pass starts as the identity (its branches and its input's projection at zero):
+            # the refined frames start as the first pass's
+            self.refine_layer = self._decoder_layer(zero_branches=True)
+            self.blank_embedding = nn.Parameter(torch.zeros(hidden_size))  # the blank's stand-in token embedding
+            self.norm_choice = nn.LayerNorm(hidden_size)
+            self.choice_in = nn.Linear(hidden_size, hidden_size)
+            nn.init.zeros_(self.choice_in.weight)
+            nn.init.zeros_(self.choice_in.bias)
         self.norm_out = nn.LayerNorm(hidden_size)
         self.blank = nn.Linear(hidden_size, 1)
         self.projection = DraftVocabProjection(draft_vocab, hidden_size)
-        self.packed_layer: PackedDecoderLayer | None = None  # the layer's inference copy (for_inference)
+        self.packed_layer: PackedDecoderLayer | None = None  # the layers' inference copies (for_inference)
+        self.packed_refine_layer: PackedDecoderLayer | None = None
+
+    def _decoder_layer(self, zero_branches: bool) -> nn.TransformerDecoderLayer:
+        layer = nn.TransformerDecoderLayer(
+            self.hidden_size, self.num_attention_heads, self.ffn_size, dropout=0.0, activation="gelu",
+            batch_first=True, norm_first=True,
+        )  # fmt: skip
+        if zero_branches:  # a residual layer whose branches start at zero is the identity at first
+            for branch in (layer.self_attn.out_proj, layer.multihead_attn.out_proj, layer.linear2):
+                nn.init.zeros_(branch.weight)
+                nn.init.zeros_(branch.bias)
+        return layer
 
     def for_inference(self) -> bool:
         """Ready the module for drafting; returns whether it now drafts in bfloat16 (where the device
@@ -92,11 +116,14 @@ class CTCDraftModule(nn.Module):
             return True
         if self.projection.packed is not None and self.packed_layer is None:
             self.__dict__["packed_layer"] = PackedDecoderLayer(self.layer)  # not a submodule: never saved
+            if self.refine:
+                self.__dict__["packed_refine_layer"] = PackedDecoderLayer(self.refine_layer)
         return False
 
     def shape(self) -> dict:
         """Constructor arguments besides the draft vocabulary (saved in the checkpoint's config)."""
-        names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size", "slot_blocks")
+        names = ("hidden_size", "slots", "label_length", "context", "num_attention_heads", "ffn_size", "slot_blocks",
+                 "refine")  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
     @torch.no_grad()
@@ -112,11 +139,18 @@ class CTCDraftModule(nn.Module):
         return len(self.projection.draft_vocab)
 
     def forward(
-        self, memory: torch.Tensor, root_embedding: torch.Tensor, padding: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        memory: torch.Tensor,
+        root_embedding: torch.Tensor,
+        padding: torch.Tensor | None = None,
+        embed=None,
+        every_pass: bool = False,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """``memory [B, W, H]`` (W <= context, right-aligned: row -1 is position t-1), ``root_embedding
         [B, H]``, ``padding [B, W]`` (True: no hidden state there, e.g. before the text began) ->
-        logits ``[B, slots, len(draft_vocab) + 1]``, the blank last."""
+        logits ``[B, slots, len(draft_vocab) + 1]``, the blank last. With ``refine``: ``embed`` maps
+        target token ids to the target's input embeddings (the first pass's choices), the logits
+        are the second pass's; ``every_pass``: the list of every pass's logits (training)."""
         dtype = self.fuse.weight.dtype
         width = memory.shape[1]
         memory = (memory.to(dtype) - self.hidden_mean) / self.hidden_std
@@ -130,9 +164,25 @@ class CTCDraftModule(nn.Module):
         keys = torch.cat([memory, base[:, None, :]], dim=1)  # the fused root token is context too
         if padding is not None:
             padding = torch.cat([padding, padding.new_zeros(padding.shape[0], 1)], dim=1)
-        # (training reads the stock layer: the packed copy is for inference, its matrices frozen)
-        layer = self.packed_layer if self.packed_layer is not None and not self.training else self.layer
-        x = self.norm_out(layer(queries, keys, memory_key_padding_mask=padding))
+        # (training reads the stock layers: the packed copies are for inference, their matrices frozen)
+        packed = not self.training and self.packed_layer is not None
+        frames = (self.packed_layer if packed else self.layer)(queries, keys, memory_key_padding_mask=padding)
+        logits = [self._logits(frames)]
+        if self.refine:
+            if embed is None:
+                raise ValueError("a CTC module with refine needs embed (the target's input embeddings)")
+            choice = logits[0].detach().argmax(-1)  # [B, slots]: each frame's top-1, the blank included
+            is_blank = choice == self.blank_index
+            tokens = self.projection.draft_vocab[choice.clamp(max=self.blank_index - 1)]
+            chosen = embed(tokens).to(dtype)
+            chosen = torch.where(is_blank[..., None], self.blank_embedding.to(dtype), chosen)
+            frames = frames + self.choice_in(self.norm_choice(chosen))
+            layer = self.packed_refine_layer if packed else self.refine_layer
+            logits.append(self._logits(layer(frames, keys, memory_key_padding_mask=padding)))
+        return logits if every_pass else logits[-1]
+
+    def _logits(self, frames: torch.Tensor) -> torch.Tensor:
+        x = self.norm_out(frames)
         return torch.cat([self.projection(x * self.hidden_std + self.hidden_mean), self.blank(x)], dim=-1)
 
 

@@ -380,6 +380,9 @@ class HeadSettings:
     # over the training data: a regulariser (EAGLE and CTC-drafter add uniform noise to theirs); the
     # Qwen 1.5B's CTC module fits its training texts far better than new ones (issue #20). 0: none
     noise: float = 0.0
+    # ctc: a second layer re-reads the frames with each frame's top-1 choice embedded (an experiment:
+    # the frames otherwise cannot see what their neighbours chose); both passes learn the labels
+    refine: bool = False
 
     @property
     def span(self) -> int:
@@ -480,7 +483,7 @@ def build_module(settings: HeadSettings, hidden_size: int, draft_vocab: torch.Te
     if settings.kind == "medusa":
         return MedusaHeads(hidden_size, settings.num_heads, draft_vocab, settings.num_layers)
     return CTCDraftModule(hidden_size, draft_vocab, settings.slots, settings.label_length, settings.context,
-                          slot_blocks=settings.slot_blocks)  # fmt: skip
+                          slot_blocks=settings.slot_blocks, refine=settings.refine)  # fmt: skip
 
 
 def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
@@ -490,12 +493,18 @@ def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
     return torch.where(vocab[position] == labels, position, torch.full_like(position, -1))
 
 
-def module_logits(module, batch: dict[str, torch.Tensor], embeddings) -> torch.Tensor:
+def module_logits(module, batch: dict[str, torch.Tensor], embeddings, every_pass: bool = False):
+    """The module's logits for a batch; ``every_pass`` (CTC): the list of every pass's (for the loss)."""
     if isinstance(module, MedusaHeads):
         return module(batch["memory"][:, -1])  # [B, heads, vocab]
-    with torch.no_grad():
-        root = embeddings(batch["root"].to(embeddings.weight.device)).float().to(batch["memory"].device)
-    return module(batch["memory"], root, batch["padding"])  # [B, slots, vocab + 1]
+    device = batch["memory"].device
+
+    @torch.no_grad()
+    def embed(tokens: torch.Tensor) -> torch.Tensor:  # the frozen target's input embeddings
+        return embeddings(tokens.to(embeddings.weight.device)).float().to(device)
+
+    # [B, slots, vocab + 1]
+    return module(batch["memory"], embed(batch["root"]), batch["padding"], embed=embed, every_pass=every_pass)
 
 
 def loss_of(module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -634,9 +643,15 @@ def train(
             batch = examples.batch(roots, device)
             if spread is not None:
                 add_noise(batch, spread, noise_gen)
-            with autocast:
-                logits = module_logits(module, batch, embeddings)
-            loss = loss_of(module, logits, targets_of(module, batch))
+            targets = targets_of(module, batch)
+            if isinstance(module, MedusaHeads):
+                with autocast:
+                    logits = module_logits(module, batch, embeddings)
+                loss = loss_of(module, logits, targets)
+            else:  # every pass of a refining module learns the labels (its first pass's choices stay meaningful)
+                with autocast:
+                    passes = module_logits(module, batch, embeddings, every_pass=True)
+                loss = torch.stack([loss_of(module, logits, targets) for logits in passes]).mean()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
