@@ -798,3 +798,14 @@ python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,h
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
   --max-new-tokens 128 --batch 12 --threads 2 \
   --methods "ctc:heads=heads/qwen-ctc-s6l3,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16"
+# ---- issue #20, eighth pass (AVX-512-bf16 EPYC): the refining second pass (--refine) against the seventh pass's
+# control, same data and budget; then the control's recipe on the 360 + 510-prompt data with a longer budget
+# (2 x 128,000 examples against 2 x 72,000), β on the tuning prompts and on the report sets
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-refine --texts "$T" --generate 256 \
+  --data heads/qwen-ctc/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 72000 --threads 2 --refine
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 \
+  --methods "ctc:heads=heads/qwen-ctc-refine,tree=prefix,top_k=8,tree_nodes=16;ctc:heads=heads/qwen-ctc,tree=prefix,top_k=8,tree_nodes=16"
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-both-long --texts "$T" --generate 256 \
+  --data heads/qwen-ctc/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
+  --standardize --lr 3e-4 --epochs 2 --max-examples 128000 --threads 2
