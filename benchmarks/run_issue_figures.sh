@@ -809,3 +809,9 @@ python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,h
 speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-both-long --texts "$T" --generate 256 \
   --data heads/qwen-ctc/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
   --standardize --lr 3e-4 --epochs 2 --max-examples 128000 --threads 2
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 --methods "ctc:heads=heads/qwen-ctc-both-long,tree=prefix,top_k=8,tree_nodes=16"
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa;ctc:heads=heads/qwen-ctc-both-long,tree=prefix,top_k=8"
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa:tree_nodes=16"
