@@ -494,9 +494,11 @@ def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
 
 
 def module_logits(module, batch: dict[str, torch.Tensor], embeddings, every_pass: bool = False):
-    """The module's logits for a batch; ``every_pass`` (CTC): the list of every pass's (for the loss)."""
+    """The module's logits for a batch; ``every_pass``: the list of every pass's (one but a refining
+    CTC module's), for the loss."""
     if isinstance(module, MedusaHeads):
-        return module(batch["memory"][:, -1])  # [B, heads, vocab]
+        logits = module(batch["memory"][:, -1])  # [B, heads, vocab]
+        return [logits] if every_pass else logits
     device = batch["memory"].device
 
     @torch.no_grad()
@@ -644,14 +646,10 @@ def train(
             if spread is not None:
                 add_noise(batch, spread, noise_gen)
             targets = targets_of(module, batch)
-            if isinstance(module, MedusaHeads):
-                with autocast:
-                    logits = module_logits(module, batch, embeddings)
-                loss = loss_of(module, logits, targets)
-            else:  # every pass of a refining module learns the labels (its first pass's choices stay meaningful)
-                with autocast:
-                    passes = module_logits(module, batch, embeddings, every_pass=True)
-                loss = torch.stack([loss_of(module, logits, targets) for logits in passes]).mean()
+            with autocast:
+                passes = module_logits(module, batch, embeddings, every_pass=True)
+            # every pass of a refining CTC module learns the labels (its first pass's choices stay meaningful)
+            loss = torch.stack([loss_of(module, logits, targets) for logits in passes]).mean()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
