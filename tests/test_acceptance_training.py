@@ -53,6 +53,22 @@ def test_training_texts_names_slices_and_paths(tmp_path):
         training_texts("mbpp[5:5]")
 
 
+def test_the_vendored_chat_questions_are_chat_prompts_apart_from_mt_bench():
+    """benchmarks/data's questions (written by the Qwen target, issue #20) load as a prompt set of
+    MT-bench's eight kinds, laid out as chat, and hold none of MT-bench's own questions."""
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "data" / "qwen2.5-coder-1.5b-chat-questions.jsonl"
+    texts = training_texts(str(path))
+    assert len(texts) >= 150 and all(t.prompt is not None and t.prompt.chat_default for t in texts)
+    assert {t.prompt.category for t in texts} == {
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"
+    }  # fmt: skip
+    mt_bench = {t.response.split("\n\n")[0].strip() for t in training_texts("mt_bench")}
+    assert not mt_bench & {t.response.strip() for t in texts}
+    assert len({t.response for t in texts}) >= 150  # greedy answers: a few pairs gave the same question
+
+
 def test_encode_marks_where_the_response_starts():
     tok = word_tokenizer()
     ids, start = encode(tok, TrainingText("t", "w1 w2", "w3 w4 w5"), 64)
