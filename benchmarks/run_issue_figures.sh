@@ -815,3 +815,21 @@ python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16
   --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa;ctc:heads=heads/qwen-ctc-both-long,tree=prefix,top_k=8"
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
   --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa:tree_nodes=16"
+# ---- issue #20, ninth pass (AVX-512-bf16 EPYC): prompts of the report sets' kinds without their prompts: chat
+# questions the target writes itself (MT-bench's eight categories) and HumanEval's problems 27-164; their continuations
+# and data pass, then the eighth pass's recipe on all three data files; β on the tuning prompts and the report sets
+python benchmarks/make_chat_questions.py --threads 2 --out benchmarks/data/qwen2.5-coder-1.5b-chat-questions.jsonl
+mkdir -p heads/qwen-ctc-kinds && cp benchmarks/data/qwen2.5-coder-1.5b-continuations-kinds.jsonl heads/qwen-ctc-kinds/continuations.jsonl
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-kinds \
+  --texts "humaneval[26:],benchmarks/data/qwen2.5-coder-1.5b-chat-questions.jsonl" --generate 256 --no-raw-layout \
+  --extra-data heads/qwen-ctc/distill_data.safetensors --extra-data heads/qwen-new/distill_data.safetensors \
+  --standardize --lr 3e-4 --epochs 2 --max-examples 128000 --threads 2
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "ctc:heads=heads/qwen-ctc-kinds,tree=prefix,top_k=8"
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+  --max-new-tokens 128 --batch 12 --threads 2 --methods "ctc:heads=heads/qwen-ctc-kinds,tree=prefix,top_k=8,tree_nodes=16"
+speculum train medusa --model qwen2.5-coder-1.5b --out heads/qwen-medusa-kinds --texts "humaneval[26:],benchmarks/data/qwen2.5-coder-1.5b-chat-questions.jsonl" --generate 256 --no-raw-layout \
+  --data heads/qwen-ctc-kinds/distill_data.safetensors --extra-data heads/qwen-ctc/distill_data.safetensors \
+  --extra-data heads/qwen-new/distill_data.safetensors --epochs 2 --max-examples 72000 --threads 2   # Medusa on the same data
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa:heads=heads/qwen-medusa-kinds,tree_nodes=16"
