@@ -833,3 +833,21 @@ speculum train medusa --model qwen2.5-coder-1.5b --out heads/qwen-medusa-kinds -
   --extra-data heads/qwen-new/distill_data.safetensors --epochs 2 --max-examples 72000 --threads 2   # Medusa on the same data
 python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
   --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "medusa:heads=heads/qwen-medusa-kinds,tree_nodes=16"
+# ---- issue #20, tenth pass (same host): the ninth pass's data and recipe with a window of 64 hidden states; chosen on
+# the tuning prompts (top_k 6 and 12 replayed there too), then replayed once on the report sets
+mkdir -p heads/qwen-ctc-ctx64 && cp heads/qwen-ctc-kinds/continuations.jsonl heads/qwen-ctc-ctx64/
+speculum train ctc-drafter --model qwen2.5-coder-1.5b --out heads/qwen-ctc-ctx64 \
+  --texts "humaneval[26:],benchmarks/data/qwen2.5-coder-1.5b-chat-questions.jsonl" --generate 256 --no-raw-layout \
+  --data heads/qwen-ctc-kinds/distill_data.safetensors --extra-data heads/qwen-ctc/distill_data.safetensors \
+  --extra-data heads/qwen-new/distill_data.safetensors --standardize --lr 3e-4 --epochs 2 --max-examples 128000 \
+  --threads 2 --context 64
+for k in 8 6 12; do
+  python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dataset mbpp,humaneval,gsm8k,wmt16 --skip 20 --limit 6 \
+    --max-new-tokens 128 --batch 12 --threads 2 --methods "ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,top_k=$k,tree_nodes=16"
+done
+python benchmarks/head_acceptance.py --model qwen2.5-coder-1.5b --dtype bfloat16 --dataset humaneval,gsm8k,mt_bench,wmt16 \
+  --skip 0 --limit 20 --max-new-tokens 128 --batch 16 --threads 2 --methods "ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,top_k=8"
+speculum bench --model qwen2.5-coder-1.5b --threads 2 --dataset humaneval,gsm8k --limit 5 --max-new-tokens 128 \
+  --out $OUT/i20/bench-ctx64 --methods "autoregressive,hf_generate,ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,tree_nodes=4"
+speculum bench --model qwen2.5-coder-1.5b --threads 2 --dtype float32 --dataset gsm8k --limit 4 --max-new-tokens 128 --warmup 0 \
+  --out $OUT/i20/f32-check --methods "autoregressive,ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,tree_nodes=4"
