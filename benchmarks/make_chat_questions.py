@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -74,6 +73,7 @@ def main() -> None:
     import torch
 
     import speculum
+    from speculum.poolfile import write_atomic
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,9 +96,7 @@ def main() -> None:
               flush=True)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(out.suffix + ".partial")
-    partial.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(partial, out)  # never a half-written file
+    write_atomic(out, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"), what="question file")
     print(f"{len(rows)} questions -> {out}")
 
 
