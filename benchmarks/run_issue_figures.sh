@@ -851,3 +851,32 @@ speculum bench --model qwen2.5-coder-1.5b --threads 2 --dataset humaneval,gsm8k 
   --out $OUT/i20/bench-ctx64 --methods "autoregressive,hf_generate,ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,tree_nodes=4"
 speculum bench --model qwen2.5-coder-1.5b --threads 2 --dtype float32 --dataset gsm8k --limit 4 --max-new-tokens 128 --warmup 0 \
   --out $OUT/i20/f32-check --methods "autoregressive,ctc:heads=heads/qwen-ctc-ctx64,tree=prefix,tree_nodes=4"
+# ---- issue #18, thirty-fourth pass (AVX-512-bf16 EPYC, bfloat16): is auto's gap to the draft-model methods on the
+# report sets' MT-bench (writing questions 81-85) and WMT16 there on held-out prompts of the same kinds? The files:
+# MT-bench 101-112 (reasoning, math: the old tuning kind), 86-97 (writing, roleplay), WMT16 21-32, MBPP 1-6
+python - <<'PY'
+import json
+from speculum.bench.datasets import load_dataset
+def write(path, prompts):
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"question_id": p.question_id, "turns": [p.text]}) + "\n")
+write("/tmp/mt101-112.jsonl", load_dataset("mt_bench")[20:32])
+write("/tmp/mt86-97.jsonl", load_dataset("mt_bench")[5:17])
+write("/tmp/wmt21-32.jsonl", load_dataset("wmt16")[20:32])
+write("/tmp/mbpp1-6.jsonl", load_dataset("mbpp")[:6])
+PY
+QWEN="--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --max-new-tokens 128"
+speculum bench $QWEN --dataset /tmp/mt101-112.jsonl,/tmp/wmt21-32.jsonl --limit 12 --out $OUT/i18/qwen-bf16-chat-tuning-p34 \
+  --methods "autoregressive,autoregressive#2,draft_model,ouroboros,auto,benchmarks/results/auto-heads-ouroboros.json,benchmarks/results/auto-draft-model-medusa.json"
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl --limit 12 --out $OUT/i18/qwen-bf16-writing-tuning-p34 \
+  --methods "autoregressive,autoregressive#2,draft_model,ouroboros,auto,benchmarks/results/auto-heads-ouroboros.json,auto:draft_confidence=0.5,auto:draft_confidence=0.5,chain_stop=true#stop"
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-chain-tuning-p34 \
+  --methods "autoregressive,autoregressive#2,ouroboros,auto,auto:draft_confidence=0.2,chain_stop=true#ouro-chain,auto:draft_confidence=0.6#c06"
+# the option tried and reverted (the chain stop bypassed after a token the draft is sure of): apply
+# benchmarks/results/issue18-p34-chain-stop-below.patch to a worktree and run these two from it
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-hybrid-tuning-p34 \
+  --methods "autoregressive,autoregressive#2,ouroboros,auto,auto:draft_confidence=0.2,chain_stop=true,chain_stop_below=0.8#hybrid"
+OURO="ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence,confidence_threshold=0.2"
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-ouro-sure-tuning-p34 \
+  --methods "autoregressive,autoregressive#2,ouroboros,$OURO,chain_stop_below=0.8#sure,auto"
