@@ -880,3 +880,9 @@ speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 
 OURO="ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence,confidence_threshold=0.2"
 speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-ouro-sure-tuning-p34 \
   --methods "autoregressive,autoregressive#2,ouroboros,$OURO,chain_stop_below=0.8#sure,auto"
+# the calibration's top bin split in three, tried and reverted: the same prompts without (A) and with (B) it, B from a
+# worktree with benchmarks/results/issue18-p34-calibration-top-bins.patch applied (PYTHONPATH=<worktree>/src)
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-bins-A-p34 \
+  --methods "autoregressive,ouroboros,auto"
+PYTHONPATH=/tmp/wt-bins/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
+  --out $OUT/i18/qwen-bf16-bins-B-p34 --methods "autoregressive,ouroboros,auto"
