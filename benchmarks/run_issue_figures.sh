@@ -873,15 +873,18 @@ speculum bench $QWEN --dataset /tmp/mt86-97.jsonl --limit 12 --out $OUT/i18/qwen
   --methods "autoregressive,autoregressive#2,draft_model,ouroboros,auto,benchmarks/results/auto-heads-ouroboros.json,auto:draft_confidence=0.5,auto:draft_confidence=0.5,chain_stop=true#stop"
 speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-chain-tuning-p34 \
   --methods "autoregressive,autoregressive#2,ouroboros,auto,auto:draft_confidence=0.2,chain_stop=true#ouro-chain,auto:draft_confidence=0.6#c06"
-# the option tried and reverted (the chain stop bypassed after a token the draft is sure of): apply
-# benchmarks/results/issue18-p34-chain-stop-below.patch to a worktree and run these two from it
-speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-hybrid-tuning-p34 \
+# the option tried and reverted (the chain stop bypassed after a token the draft is sure of; the patch holds its tests):
+# these two run from a worktree with benchmarks/results/issue18-p34-chain-stop-below.patch applied
+git worktree add /tmp/wt-sure 276ead0 && git -C /tmp/wt-sure apply "$PWD/benchmarks/results/issue18-p34-chain-stop-below.patch"
+PYTHONPATH=/tmp/wt-sure/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-hybrid-tuning-p34 \
   --methods "autoregressive,autoregressive#2,ouroboros,auto,auto:draft_confidence=0.2,chain_stop=true,chain_stop_below=0.8#hybrid"
 OURO="ouroboros:num_speculative_tokens=4,window_size=0,draft_guesses=1,context_phrases=true,length_policy=confidence,confidence_threshold=0.2"
-speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-ouro-sure-tuning-p34 \
+PYTHONPATH=/tmp/wt-sure/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
+  --out $OUT/i18/qwen-bf16-ouro-sure-tuning-p34 \
   --methods "autoregressive,autoregressive#2,ouroboros,$OURO,chain_stop_below=0.8#sure,auto"
 # the calibration's top bin split in three, tried and reverted: the same prompts without (A) and with (B) it, B from a
-# worktree with benchmarks/results/issue18-p34-calibration-top-bins.patch applied (PYTHONPATH=<worktree>/src)
+# worktree with benchmarks/results/issue18-p34-calibration-top-bins.patch applied
+git worktree add /tmp/wt-bins 276ead0 && git -C /tmp/wt-bins apply "$PWD/benchmarks/results/issue18-p34-calibration-top-bins.patch"
 speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-bins-A-p34 \
   --methods "autoregressive,ouroboros,auto"
 PYTHONPATH=/tmp/wt-bins/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
