@@ -889,3 +889,22 @@ speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 
   --methods "autoregressive,ouroboros,auto"
 PYTHONPATH=/tmp/wt-bins/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
   --out $OUT/i18/qwen-bf16-bins-B-p34 --methods "autoregressive,ouroboros,auto"
+
+# issue #18, thirty-fifth pass (AMD EPYC, avx512_bf16, bfloat16; prompt files as in the thirty-fourth pass)
+# the chain's stop rules, acceptance-only, over the plain outputs the thirty-fourth pass recorded (costs as its runs measured)
+python benchmarks/chain_stop_study.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --records $OUT/i18/qwen-bf16-chain-tuning-p34 $OUT/i18/qwen-bf16-chat-tuning-p34 --draft-seconds 0.060 --plain-seconds 0.130 \
+  --out benchmarks/results/issue18-chain-stop-study-p35.md
+# the draft-model gate forced on (an experimental option, from a worktree with the patch applied)
+git worktree add /tmp/wt-keep 3686a49 && git -C /tmp/wt-keep apply "$PWD/benchmarks/results/issue18-p35-keep-draft-model.patch"
+PYTHONPATH=/tmp/wt-keep/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
+  --out $OUT/i18/qwen-bf16-keep-tuning-p35 --methods "autoregressive,autoregressive#2,ouroboros,auto,auto:keep_draft_model=true#keep"
+# a request's first probe (tried and reverted; the patch holds its tests)
+git worktree add /tmp/wt-probe 3686a49 && git -C /tmp/wt-probe apply "$PWD/benchmarks/results/issue18-p35-request-probe.patch"
+PYTHONPATH=/tmp/wt-probe/src speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 \
+  --out $OUT/i18/qwen-bf16-request-probe-tuning-p35 --methods "autoregressive,autoregressive#2,ouroboros,auto"
+# auto's parts against Ouroboros' chain setting
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl --limit 12 --out $OUT/i18/qwen-bf16-auto-parts-writing-p35 \
+  --methods "autoregressive,ouroboros,auto,auto:drafters=ouroboros#ouro-only,auto:drafters=ouroboros,draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-only-ouro-chain"
+speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-auto-ouro-chain-p35 \
+  --methods "autoregressive,ouroboros,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-chain"
