@@ -908,3 +908,13 @@ speculum bench $QWEN --dataset /tmp/mt86-97.jsonl --limit 12 --out $OUT/i18/qwen
   --methods "autoregressive,ouroboros,auto,auto:drafters=ouroboros#ouro-only,auto:drafters=ouroboros,draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-only-ouro-chain"
 speculum bench $QWEN --dataset /tmp/mt86-97.jsonl,/tmp/mbpp1-6.jsonl --limit 12 --out $OUT/i18/qwen-bf16-auto-ouro-chain-p35 \
   --methods "autoregressive,ouroboros,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-chain"
+# MT-bench's STEM and humanities questions (141-160: essay answers), written as the other prompt files
+python - <<'PY'
+import json
+from speculum.bench.datasets import load_dataset
+with open("/tmp/mt141-160.jsonl", "w") as f:
+    for p in load_dataset("mt_bench")[60:80]:
+        f.write(json.dumps({"question_id": p.question_id, "turns": [p.text]}) + "\n")
+PY
+speculum bench $QWEN --dataset /tmp/mt141-160.jsonl --limit 20 --out $OUT/i18/qwen-bf16-prose-p35 \
+  --methods "autoregressive,ouroboros,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-chain"
