@@ -68,20 +68,9 @@ class TypicalChainStop(ChainStop):
         super().__init__(controller, source)
         self.recent = recent
 
-    def worth_another(self, step_seconds):
-        if step_seconds is None or self.nodes == 0:
-            return True
-        self.drafting += step_seconds
-        n = self.nodes
+    def next_chance(self, depth: int) -> float:
         scores = list(self.recent) or [self.last_score]
-        chance = statistics.fmean(self.calibration.estimate(s, n + 1, self.source) for s in scores)
-        gain = self.reach * chance
-        extra = step_seconds + max(self.cost(n + 2) - self.cost(n + 1), 0.0)
-        rate = self.expected / (self.cost(n + 1) + self.drafting + self.base)
-        if gain > extra * rate:
-            return True
-        self.stopped = True
-        return False
+        return statistics.fmean(self.calibration.estimate(score, depth, self.source) for score in scores)
 
 
 def play(

@@ -764,14 +764,18 @@ class ChainStop:
             return True
         self.drafting += step_seconds
         n = self.nodes
-        chance = self.calibration.estimate(self.last_score, n + 1, self.source, optimistic=self.optimistic)
-        gain = self.reach * chance
+        gain = self.reach * self.next_chance(n + 1)
         extra = step_seconds + max(self.cost(n + 2) - self.cost(n + 1), 0.0)
         rate = self.expected / (self.cost(n + 1) + self.drafting + self.base)
         if gain > extra * rate:
             return True
         self.stopped = True
         return False
+
+    def next_chance(self, depth: int) -> float:
+        """The calibrated acceptance of the node at ``depth`` not drafted yet: as a node scored like
+        the last one (its own score is not known before the forward that makes it)."""
+        return self.calibration.estimate(self.last_score, depth, self.source, optimistic=self.optimistic)
 
 
 class CatchUpRule:
