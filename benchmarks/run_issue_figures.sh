@@ -918,3 +918,21 @@ with open("/tmp/mt141-160.jsonl", "w") as f:
 PY
 speculum bench $QWEN --dataset /tmp/mt141-160.jsonl --limit 20 --out $OUT/i18/qwen-bf16-prose-p35 \
   --methods "autoregressive,ouroboros,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#ouro-chain"
+
+# issue #18, thirty-sixth pass (AMD EPYC, avx512_bf16, bfloat16): the writing comparison repeated on MT-bench 86-100
+python - <<'PY'
+import json
+from speculum.bench.datasets import load_dataset
+with open("/tmp/mt86-100.jsonl", "w") as f:
+    for p in load_dataset("mt_bench")[5:20]:
+        f.write(json.dumps({"question_id": p.question_id, "turns": [p.text]}) + "\n")
+PY
+for run in A B; do
+  speculum bench $QWEN --dataset /tmp/mt86-100.jsonl --limit 15 --out $OUT/i18/qwen-bf16-writing-ab-$run-p36 \
+    --methods "autoregressive,ouroboros,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#auto-ouro-chain"
+done
+speculum bench $QWEN --dataset /tmp/mbpp1-6.jsonl,/tmp/mt101-112.jsonl,/tmp/wmt21-32.jsonl --limit 12 \
+  --out $OUT/i18/qwen-bf16-chain-other-p36 \
+  --methods "autoregressive,auto,auto:draft_depth=4,draft_confidence=0.2,chain_stop=true#auto-ouro-chain"
+speculum bench $QWEN --dataset /tmp/mt86-100.jsonl --limit 15 --out $OUT/i18/qwen-bf16-writing-backoff-p36 \
+  --methods "autoregressive,ouroboros,auto,auto:max_backoff=8#backoff8"
