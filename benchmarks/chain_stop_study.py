@@ -70,7 +70,9 @@ class TypicalChainStop(ChainStop):
 
     def next_chance(self, depth: int) -> float:
         scores = list(self.recent) or [self.last_score]
-        return statistics.fmean(self.calibration.estimate(score, depth, self.source) for score in scores)
+        return statistics.fmean(
+            self.calibration.estimate(score, depth, self.source, optimistic=self.optimistic) for score in scores
+        )
 
 
 def play(
