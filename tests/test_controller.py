@@ -1166,3 +1166,18 @@ def test_a_drafter_without_gated_parts_is_judged_on_every_round_it_paid_for():
     run_rounds(controller, 10, accepted_of=lambda i: 3)  # drafting paid
     asked = pruned_rounds(controller, 40, plain_seconds=0.010)  # then every proposal is all pruned
     assert sum(asked[-20:]) <= 8  # backed off: probes only (it asked in every round while skipped)
+
+
+def test_rows_of_a_batch_keep_their_own_catch_up_state():
+    """Each row of a batch (``for_row``) has its own request in flight: one row's start or finish
+    must not reset when another last ran its drafter, while request lengths are learned together."""
+    config = Controller(FLAT)
+    first, second = config.for_row(), config.for_row()
+    first.start()
+    second.start()
+    assert first.wants_draft(tokens_left=100, generated=30)  # the first row's drafter runs 30 tokens in
+    second.start()  # another row (re)starts
+    assert first.catch_up_rule.decoded_without(40) == 10  # still 10 tokens since it last ran
+    second.finish(12)
+    assert first.catch_up_rule.decoded_without(40) == 10
+    assert first.typical_length == second.typical_length == config.typical_length == 12.0

@@ -389,6 +389,7 @@ class Controller:
             copy.copy(self.asked_lean),
         )
         row.backoff = copy.deepcopy(self.backoff)
+        row.catch_up_rule = self.catch_up_rule.for_row()
         return row
 
     def verdict(self, rows: int) -> BatchVerdict:
@@ -789,9 +790,19 @@ class CatchUpRule:
     per costly group."""
 
     def __init__(self) -> None:
-        self.typical_length: float | None = None
+        self._learned = _RequestLengths()  # what finished requests taught (shared by the rows of a batch)
         self._used_at: int | None = None  # tokens generated when it last ran in the request in flight
-        self._skipped = 0  # tokens of finished requests decoded without it since it last ran
+
+    def for_row(self) -> CatchUpRule:
+        """A rule for one row of a batch: what requests taught shared, the request in flight its own
+        (one row's start must not reset another's)."""
+        row = CatchUpRule()
+        row._learned = self._learned
+        return row
+
+    @property
+    def typical_length(self) -> float | None:
+        return self._learned.typical_length
 
     def start(self) -> None:
         self._used_at = None
@@ -801,9 +812,9 @@ class CatchUpRule:
         self._used_at = generated
 
     def finish(self, new_tokens: int) -> None:
-        known = self.typical_length
-        self.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
-        self._skipped = self.decoded_without(new_tokens)
+        learned, known = self._learned, self._learned.typical_length
+        learned.typical_length = float(new_tokens) if known is None else known + LENGTH_SMOOTHING * (new_tokens - known)
+        learned.skipped = self.decoded_without(new_tokens)
 
     def decoded_without(self, generated: int) -> int:
         """The tokens decoded without it since it last ran, ``generated`` tokens into the request in
@@ -811,7 +822,7 @@ class CatchUpRule:
         up, and counting only finished requests had vetoed every probe of the back-off until the
         request ended (54 plain rounds in an MT-bench request, issue #18, eighteenth pass)."""
         if self._used_at is None:
-            return self._skipped + generated
+            return self._learned.skipped + generated
         return max(generated - self._used_at, 0)
 
     def likely_left(self, generated: int, tokens_left: int) -> float:
@@ -837,6 +848,14 @@ class CatchUpRule:
         # is let through; counting the step too, one never was (issue #18, nineteenth pass)
         probe = catch_up + (step_seconds if self._used_at is None else 0.0)
         return probe <= CATCH_UP_PROBE_SHARE * self.decoded_without(generated) * step_seconds
+
+
+@dataclass
+class _RequestLengths:
+    """What finished requests taught a :class:`CatchUpRule`."""
+
+    typical_length: float | None = None  # new tokens of finished requests (a moving average)
+    skipped: int = 0  # tokens of finished requests decoded without the drafter since it last ran
 
 
 def by_batch_size(learned: dict, rows: int, new):
