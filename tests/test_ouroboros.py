@@ -7,7 +7,7 @@ import speculum
 from speculum.drafters.base import Outcome
 from speculum.drafters.phrase_pool import PhrasePool
 from speculum.errors import InvalidInputError
-from speculum.sampling import SamplingParams
+from speculum.sampling import PositionNoise, SamplingParams
 from speculum.tree import Draft
 
 from helpers import build_drafter, generate_ids
@@ -228,3 +228,29 @@ def test_draft_guesses_must_be_a_count(pair):
     model, draft = pair
     with pytest.raises(InvalidInputError, match="draft_guesses"):
         build_drafter("ouroboros", draft, VOCAB, draft_guesses=-1)
+
+
+@pytest.mark.parametrize("method", ["ouroboros", "auto"])
+def test_a_draft_with_a_narrower_head_gives_plain_decodings_text(method):
+    """A draft whose head covers only the first 520 of the target's 1100 ids (the same tokenizer below
+    520): its rows are padded to the target's width with no probability mass, so greedy decoding
+    and a seeded sampled request (whose draft picks by the request's noise) give plain decoding's
+    text, the seed's."""
+    model = tiny_model("llama", vocab_size=1100)
+    draft = perturbed_copy(model, scale=0.2)
+    draft.resize_token_embeddings(520, mean_resizing=False)
+    prompt = [3, 4, 5] + reference_greedy(model, [3, 4, 5], 12)
+    params = SMALL if method == "ouroboros" else {}
+    out, stats = generate_ids(model, prompt, build_drafter(method, draft, 1100, target=model, **params), 24)
+    assert out == reference_greedy(model, prompt, 24) and stats.drafted_tokens > 0
+    sampling = SamplingParams(temperature=1.0)
+    drafted = 0
+    for seed in range(3):
+        plain_noise, noise = (PositionNoise(torch.Generator().manual_seed(seed)) for _ in range(2))
+        plain, _ = generate_ids(model, prompt, build_drafter("autoregressive"), 24, sampling, plain_noise.generator,
+                                noise=plain_noise)  # fmt: skip
+        drafter = build_drafter(method, draft, 1100, target=model, **params)
+        out, stats = generate_ids(model, prompt, drafter, 24, sampling, noise.generator, noise=noise)
+        assert out == plain, f"seed {seed}"
+        drafted += stats.drafted_tokens
+    assert drafted > 0

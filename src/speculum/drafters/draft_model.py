@@ -11,6 +11,9 @@ head is wider, padded with -inf (no probability mass) when the target's is (Qwen
 152,064-row head against the 0.5B's 151,936). A token the target emits that the draft cannot
 embed (one of those padding ids) reaches the draft as its pad token instead
 (:class:`DraftModelState`, shared with Ouroboros).
+
+A draft model whose context is shorter than the target's drafts only while every position it is
+fed stays inside it; past that the rounds are plain steps.
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ class Options:
         check_policy_options(self)
 
 
+def fit_width(logits: torch.Tensor, width: int | None) -> torch.Tensor:
+    """The draft's ``logits`` (vocabulary last) at the target's ``width``: cut where the draft's head
+    is wider, padded with -inf (no probability mass) where it is narrower (None: as they are)."""
+    if width is None or logits.shape[-1] == width:
+        return logits
+    if logits.shape[-1] > width:
+        return logits[..., :width]
+    pad = logits.new_full((*logits.shape[:-1], width - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
 class DraftModelState:
     """A draft model's KV cache across the rounds of one request, kept in step with the committed text.
 
@@ -64,13 +78,28 @@ class DraftModelState:
     longest prefix shared with the committed tokens. Ids the draft cannot embed (a target head
     padded wider than the draft's embeddings) are fed as ``stand_in``: the draft's guesses get
     worse for a moment, the output does not change.
+
+    Drafting keeps every position fed below the draft's context less one (``room``,
+    ``depth_left``): in a batch, a row whose round has ended rides along in the others' forwards
+    with one more node at its next position.
     """
 
     def __init__(self, runner, draft_model: torch.nn.Module):
         self.runner = runner
         self.embeddable = draft_model.get_input_embeddings().num_embeddings
         self.stand_in = getattr(draft_model.config, "pad_token_id", None) or 0
+        self.positions = runner.max_positions  # the draft's context (None: not known, no limit)
         self.reset()
+
+    def room(self, tokens: list[int]) -> int | None:
+        """The most tokens a round may draft after the committed ``tokens`` (None: no limit): k
+        drafted tokens feed positions up to len(tokens) + k - 2 (the last one is never fed), which
+        stays below the context less one."""
+        return None if self.positions is None else self.positions - len(tokens)
+
+    def depth_left(self) -> int | None:
+        """The deepest node of a tree fed after ``seen`` (its root at depth 0; None: no limit)."""
+        return None if self.positions is None else self.positions - 2 - len(self.seen)
 
     def backlog(self, tokens: list[int]) -> int:
         """Committed tokens the next round must feed beyond its root (at least; a stale draft
@@ -78,6 +107,7 @@ class DraftModelState:
         return max(0, len(tokens) - 1 - len(self.seen))
 
     def reset(self) -> None:
+        """Forget the request: an empty cache (what an idle drafter holds between requests)."""
         self.cache = self.runner.new_cache()
         self.seen: list[int] = []
         self.committed = 0  # leading entries of seen known to be committed tokens
@@ -264,23 +294,16 @@ class DraftModelDrafter(Drafter):
         out = self.runner.forward(state.cache, state.feed(token_ids), last_only=True, hidden=self.policy.needs_hidden)
         self._forwards += 1
         state.seen.extend(token_ids)
-        logits = self._fit(out.logits[-1].to(ctx.device))
+        logits = fit_width(out.logits[-1].to(ctx.device), self.vocab_size)
         return logits, out.hidden[-1] if out.hidden is not None else None
-
-    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
-            return logits
-        if logits.shape[-1] > self.vocab_size:
-            return logits[: self.vocab_size]
-        pad = logits.new_full((self.vocab_size - logits.shape[-1],), float("-inf"))
-        return torch.cat([logits, pad])
 
     def _begin(self, ctx: DraftContext) -> DraftRound | None:
         """This round's drafting, or None when the policy drafts nothing."""
         self._asked = True
         self.catch_up_seconds = 0.0
         self.policy.begin_round(ctx.tokens)
-        budget = self.policy.budget(ctx.max_depth)
+        room = self.state.room(ctx.tokens)
+        budget = self.policy.budget(ctx.max_depth if room is None else min(ctx.max_depth, room))
         return DraftRound(self, ctx, budget) if budget >= 1 else None
 
     def catch_up_estimate(self, ctx: DraftContext) -> float:
@@ -331,7 +354,7 @@ class DraftModelDrafter(Drafter):
                     drafter._forwards += 1
                     drafter.state.seen.extend(feed)
                     lengths[n] += len(feed)
-                    logits = drafter._fit(out.logits[len(feed) - 1].to(ctxs[i].device))
+                    logits = fit_width(out.logits[len(feed) - 1].to(ctxs[i].device), drafter.vocab_size)
                     hidden = out.hidden[len(feed) - 1] if out.hidden is not None else None
                     feeds[n] = rounds[i].take(logits, hidden) or []
         return [rounds[i].draft() if rounds[i] is not None else None for i in range(len(drafters))]
@@ -340,3 +363,7 @@ class DraftModelDrafter(Drafter):
         if self._asked:  # (a plain step the controller chose says nothing about the draft length)
             self.policy.update(len(outcome.accepted), outcome.drafted)
         self._asked = False
+
+    def finish(self, ctx: DraftContext) -> None:
+        # a kept drafter waits for its next request without the last one's cache
+        self.state.reset()

@@ -64,7 +64,7 @@ from speculum.drafters.base import (
     check_tree_size,
     token_probability,
 )
-from speculum.drafters.draft_model import DraftModelState, begin_rows, catch_up_clock, side_by_side
+from speculum.drafters.draft_model import DraftModelState, begin_rows, catch_up_clock, fit_width, side_by_side
 from speculum.drafters.lookahead import JacobiWindow
 from speculum.drafters.phrase_pool import DEFAULT_MAX_KEYS, PhrasePool
 from speculum.errors import InvalidInputError, PoolFileError
@@ -221,7 +221,8 @@ class OuroborosDrafter(Drafter):
         """This round's drafting, or None when the policy drafts nothing."""
         self.catch_up_seconds = 0.0
         self.policy.begin_round(ctx.tokens)
-        budget = self.policy.budget(ctx.max_depth)
+        room = self.state.room(ctx.tokens)
+        budget = self.policy.budget(ctx.max_depth if room is None else min(ctx.max_depth, room))
         if budget < 1:
             return None
         self._chain, self._phrases = [], []
@@ -283,7 +284,7 @@ class OuroborosDrafter(Drafter):
     def _rows(self, logits, nodes: list[int]) -> torch.Tensor:
         """The draft's logits after each of ``nodes``, over the target's vocabulary."""
         rows = logits.take(nodes) if isinstance(logits, LazyLogits) else logits[nodes]
-        return rows[:, : self.vocab_size] if self.vocab_size is not None else rows
+        return fit_width(rows, self.vocab_size)
 
     def _argmax(self, logits, nodes: list[int]) -> list[int]:
         """The draft's greedy token after each of ``nodes``."""
@@ -359,6 +360,8 @@ class OuroborosDrafter(Drafter):
     save_on_finish: bool = True
 
     def finish(self, ctx: DraftContext) -> None:
+        # a kept drafter waits for its next request without the last one's cache (the pool stays)
+        self.state.reset()
         if self.options.pool_path is None or not self.save_on_finish:
             return
         try:
@@ -411,7 +414,9 @@ class PhraseRound:
                     parent = len(tokens)
                     tokens.append(token)
         state = d.state
-        self._tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents))
+        # cut where the draft's positions run out (the forced tokens always fit: see ``_begin``)
+        depth = state.depth_left()
+        self._tree = TokenTree.from_draft(state.feed(forced[:1])[0], Draft(state.feed(tokens), parents), depth)
         return self._tree
 
     def path(self, logits) -> list[int]:
@@ -449,7 +454,8 @@ class PhraseRound:
         d.state.seen.extend(forced + produced[:-1])
         if d.options.phrase_drafting and d.options.window_size > 0:
             top = [tree.node_of[j] for j in d.window.top_nodes]
-            d.pool.add_all(d.window.step(d._argmax(logits, top)))
+            # a top node cut at the draft's context has no output: the window waits a step
+            d.pool.add_all(d.window.step(d._argmax(logits, top) if min(top, default=0) >= 0 else None))
         deciding = path[len(forced) - 1 :]  # the node whose output chose each produced token
         rows = d._rows(logits, deciding)
         states = hidden[deciding] if hidden is not None else [None] * len(deciding)
