@@ -322,12 +322,19 @@ class Batch:
     """Rows decoded together: each step, one target forward carries every row's tree.
 
     Rows join (after their own prefill) and leave (finished, cancelled) between steps; a row's
-    output does not depend on what else is in the batch (greedy: up to the batch's float rounding)."""
+    output does not depend on what else is in the batch (greedy: up to the batch's float rounding).
 
-    def __init__(self, runner: ModelRunner):
+    ``isolate``: a row whose drafter, controller, verification or share of the target forward
+    raises fails alone: it leaves the batch and goes to ``failed`` with its exception, and the
+    other rows' step goes on (a server must not fail every request for one). Without it, the step
+    raises."""
+
+    def __init__(self, runner: ModelRunner, isolate: bool = False):
         self.runner = runner
         self.rows: list[Row] = []
         self.cache = runner.new_cache()
+        self.isolate = isolate
+        self.failed: list[tuple[Row, Exception]] = []  # the last step's failed rows
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -342,10 +349,6 @@ class Batch:
     def admit(self, joining: Joining) -> Row:
         """Add a request whose prefill is complete as a row (its drafter starts now)."""
         request, stats = joining.request, joining.request.stats
-        if self.rows:
-            cache_ops.join(self.cache, len(self.rows), joining.cache)
-        else:
-            self.cache = joining.cache
         hidden = joining.hidden
         prefill_hidden = None if not hidden else hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         ctx = DraftContext(
@@ -358,6 +361,11 @@ class Batch:
         if request.controller is not None:
             request.controller.start()
         stats.time_draft += time.perf_counter() - t
+        # the cache takes the row only once its drafter has started: a drafter that raises leaves the batch as it was
+        if self.rows:
+            cache_ops.join(self.cache, len(self.rows), joining.cache)
+        else:
+            self.cache = joining.cache
         row = Row(request, ctx, joining.started)
         self.rows.append(row)
         return row
@@ -378,8 +386,28 @@ class Batch:
         if row.request.controller is not None:
             row.request.controller.finish(row.stats.new_tokens)
 
-    @staticmethod
-    def _draft(asked: list[Row]) -> dict[int, float]:
+    def _fail(self, row: Row, error: Exception) -> None:
+        """``row`` raised ``error``: it leaves the batch (or, without ``isolate``, the step raises)."""
+        if not self.isolate:
+            raise error
+        self.failed.append((row, error))
+        try:
+            self.leave(row, "error")
+        except Exception:  # its drafter's finish: the row is out of the batch already
+            pass
+
+    def _each(self, rows: list[Row], call) -> list[Row]:
+        """``call(row)`` for each row; the rows that did not raise (those that did have failed)."""
+        kept = []
+        for row in rows:
+            try:
+                call(row)
+                kept.append(row)
+            except Exception as exc:
+                self._fail(row, exc)
+        return kept
+
+    def _draft(self, asked: list[Row]) -> dict[int, float]:
         """Each asked row's draft (``Row.draft``); the seconds of drafting each is charged. Rows whose
         drafters share a ``batch_key`` propose together and share the time it took."""
         groups: dict[object, list[Row]] = {}
@@ -387,50 +415,129 @@ class Batch:
             key = getattr(row.request.drafter, "batch_key", None)  # (a duck-typed drafter proposes alone)
             groups.setdefault(id(row) if key is None else key, []).append(row)
         seconds: dict[int, float] = {}
+
+        def propose(row: Row) -> None:
+            row.draft = row.request.drafter.propose(row.ctx)
+
         for members in groups.values():
             start = time.perf_counter()
             if len(members) == 1:
-                members[0].draft = members[0].request.drafter.propose(members[0].ctx)
+                self._each(members, propose)
             else:
                 drafters = [row.request.drafter for row in members]
-                drafts = type(drafters[0]).propose_rows(drafters, [row.ctx for row in members])
-                for row, draft in zip(members, drafts, strict=True):
-                    row.draft = draft
+                try:
+                    drafts = type(drafters[0]).propose_rows(drafters, [row.ctx for row in members])
+                    for row, draft in zip(members, drafts, strict=True):
+                        row.draft = draft
+                except Exception:
+                    if not self.isolate:
+                        raise
+                    # which row's drafting raised is unknown: each proposes alone (a draft changes no output)
+                    self._each(members, propose)
             share = (time.perf_counter() - start) / len(members)
             for row in members:
                 seconds[id(row)] = share
         return seconds
 
+    def _forward(self, rows: list[Row], hidden: bool) -> tuple[list[StepOutput], int]:
+        """The target forward over ``rows``' trees, and the cache's columns before it. With ``isolate``,
+        where it raises, each row's tree runs alone on a copy of its cache: the rows that raise alone
+        fail (leaving ``rows``), and the others' forward runs again without them."""
+        while True:
+            lengths = [row.cached for row in rows]
+            # (a lone row's cache need not be a batch's: a replay's is not)
+            columns = lengths[0] if len(rows) == 1 else cache_ops.cache_length(self.cache)
+            try:
+                if len(rows) == 1:
+                    return [self.runner.forward(self.cache, rows[0].tree, hidden=hidden)], columns
+                trees = [row.tree for row in rows]
+                return self.runner.forward_rows(self.cache, trees, lengths, hidden=hidden), columns
+            except Exception as exc:
+                if not self.isolate:
+                    raise
+                errors = {id(rows[0]): exc} if len(rows) == 1 else self._alone(rows, lengths, hidden)
+                if not errors:
+                    raise  # the rows fail only together: the batch fails
+                for row in [row for row in rows if id(row) in errors]:
+                    self._fail(row, errors[id(row)])  # (leaving crops the columns the forward added)
+                rows[:] = [row for row in rows if id(row) not in errors]
+                if not rows:
+                    return [], columns
+
+    def _alone(self, rows: list[Row], lengths: list[int], hidden: bool) -> dict[int, Exception]:
+        """What each row's tree raises in a forward of its own (by ``id`` of the row)."""
+        errors = {}
+        for r, row in enumerate(rows):
+            cache = cache_ops.split_rows(self.cache, [n if i == r else 0 for i, n in enumerate(lengths)])[r]
+            try:
+                self.runner.forward_rows(cache, [row.tree], [lengths[r]], hidden=hidden)
+            except Exception as exc:
+                errors[id(row)] = exc
+        return errors
+
     def step(self) -> list[tuple[Row, list[int]]]:
-        """One round for every row: the tokens each committed (finished rows have left after it)."""
+        """One round for every row: the tokens each committed (finished rows have left after it, and
+        with ``isolate`` failed rows too: see ``failed``)."""
+        self.failed = []
         rows = list(self.rows)
-        step = next(_STEPS)
-        drafting = self._draft([row for row in rows if row.ask(len(rows), step)])
+        step, size, asked = next(_STEPS), len(rows), []
+
+        def ask(row: Row) -> None:
+            if row.ask(size, step):
+                asked.append(row)
+
+        rows = self._each(rows, ask)
+        drafting = self._draft(asked)
+        rows = [row for row in rows if row in self.rows]  # (a failed row has left)
         floor = 1
-        for row in rows:
-            row.plan(drafting.get(id(row), 0.0), len(rows), floor)
+
+        def plan(row: Row) -> None:
+            nonlocal floor
+            row.plan(drafting.get(id(row), 0.0), size, floor)
             floor = max(floor, len(row.tree))
+
+        rows = self._each(rows, plan)
+        if not rows:
+            return []
         tf = rows[0].tc if len(rows) == 1 else time.perf_counter()
-        lengths = [row.cached for row in rows]
-        hidden = any(row.request.drafter.wants_hidden_states for row in rows)
+        outs, columns = self._forward(rows, any(row.request.drafter.wants_hidden_states for row in rows))
+        lengths, verdicts, late = [row.cached for row in rows], [], []  # late: (row, error) failed after the forward
+        for row, out in zip(rows, outs, strict=True):
+            try:
+                verdicts.append(row.verify(out))
+            except Exception as exc:
+                if not self.isolate:
+                    raise
+                verdicts.append(None)
+                late.append((row, exc))
+        paths = [[0] if v is None else v.path for v in verdicts]  # (a row that failed keeps its root only)
         if len(rows) == 1:  # plain single-sequence decoding's path (a lone row is as long as the cache)
-            outs = [self.runner.forward(self.cache, rows[0].tree, hidden=hidden)]
-            verdicts = [rows[0].verify(outs[0])]
-            self.runner.commit(self.cache, lengths[0], verdicts[0].path)
-        else:
-            columns = cache_ops.cache_length(self.cache)
-            outs = self.runner.forward_rows(self.cache, [row.tree for row in rows], lengths, hidden=hidden)
-            verdicts = [row.verify(out) for row, out in zip(rows, outs, strict=True)]
-            self.runner.commit_rows(self.cache, columns, lengths, [v.path for v in verdicts])
+            self.runner.commit(self.cache, lengths[0], paths[0])
+        elif rows:
+            self.runner.commit_rows(self.cache, columns, lengths, paths)
         t2 = time.perf_counter()
-        committed = [
-            (row, row.commit(v, out, (tf, t2), len(rows), floor))
-            for row, v, out in zip(rows, verdicts, outs, strict=True)
-        ]
+        committed = []
+        for row, v, out in zip(rows, verdicts, outs, strict=True):
+            if v is not None:
+                try:
+                    committed.append((row, row.commit(v, out, (tf, t2), len(rows), floor)))
+                except Exception as exc:
+                    if not self.isolate:
+                        raise
+                    late.append((row, exc))
+        # failed rows leave once every row has committed: leaving crops the cache to the rows' lengths
+        for row, exc in late:
+            self._fail(row, exc)
         for row, _ in committed:
             if row.done:
-                self.leave(row)
-        return committed
+                try:
+                    self.leave(row)
+                except Exception as exc:  # its drafter's finish: the row is out of the batch already
+                    if not self.isolate:
+                        raise
+                    self.failed.append((row, exc))
+        failed = {id(row) for row, _ in self.failed}
+        return [(row, new) for row, new in committed if id(row) not in failed]
 
 
 __all__ = ["Batch", "Joining", "Request", "Row", "Stats", "check", "run", "run_batch"]

@@ -7,7 +7,9 @@ prefill, which runs ``prefill_chunk`` tokens at a time while other rows decode, 
 holds the running streams for about a step at a time. Each row's tokens go to its request's
 asyncio queue after every step. Between steps the worker checks whether a client has gone
 (cancel) or a request ran out of time; either way its row leaves the batch at once and its
-drafter's ``finish`` runs (persistent pools learn what was generated).
+drafter's ``finish`` runs (persistent pools learn what was generated). A request whose generation
+raises fails alone (500), its row out of the batch, while the others decode on; at shutdown every
+request still in flight or queued gets a 503, so that no handler waits for an event that never comes.
 """
 
 from __future__ import annotations
@@ -173,6 +175,14 @@ class Failed:
     error: ApiError
 
 
+def internal_error() -> ApiError:
+    return ApiError(500, "internal error while generating", type="server_error")
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
 # ---------------------------------------------------------------------------------------- jobs
 
 
@@ -256,7 +266,8 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="speculum-worker", daemon=True)
         self._alive = lambda: True
-        self._batch = engine.Batch(spec.runner)
+        self._batch = engine.Batch(spec.runner, isolate=True)
+        self._queue_lock = threading.Lock()  # no job is queued after the queue is emptied at shutdown
         self._active: list[Active] = []  # in the batch or joining it, in arrival order
         self._mean_seconds = 1.0  # moving average of request durations, for Retry-After
         # Every distinct method configuration builds (and keeps) drafters; clients may send many,
@@ -288,10 +299,11 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ApiError 503 (with Retry-After) when the queue is full or the server is stopping."""
-        if self._stop.is_set():
-            raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
         try:
-            self._queue.put_nowait(job)
+            with self._queue_lock:
+                if self._stop.is_set():
+                    raise shutting_down()
+                self._queue.put_nowait(job)
         except queue.Full:
             rounds = (self._queue.qsize() + 1) / self.max_batch
             wait = min(60, max(1, math.ceil(self._mean_seconds * rounds)))
@@ -304,18 +316,21 @@ class Worker:
             ) from None
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running requests, refuse the queued ones, and wait for the thread to end."""
+        """End the running requests and refuse the queued ones (each gets a 503), and wait for the
+        thread to end."""
         self._stop.set()
-        for active in list(self._active):
-            active.job.cancel()
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")))
+        self._refuse_queued()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _refuse_queued(self) -> None:
+        with self._queue_lock:
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                job.emit(Failed(shutting_down()))
 
     # ------------------------------------------------------------------ the thread
 
@@ -331,18 +346,26 @@ class Worker:
                     started = time.perf_counter()
                     results = self._batch.step()
                     self.metrics.decode_seconds.inc(time.perf_counter() - started)
+                    for row, error in self._batch.failed:  # rows that raised: out of the batch already
+                        log.error("a generation failed", exc_info=error)
+                        self._fail(self._of(row))
                     for row, new in results:
-                        self._tokens(self._of(row), new)
-            except Exception:  # a bug, not bad input: the requests in flight fail, the server goes on
+                        active = self._of(row)
+                        try:
+                            self._tokens(active, new)
+                        except Exception:
+                            log.exception("a generation failed")
+                            self._fail(active)
+            except Exception:  # no row to blame (e.g. the rows' forward fails only together): all fail
                 log.exception("generation failed")
                 for active in list(self._active):
-                    active.job.emit(Failed(ApiError(500, "internal error while generating", type="server_error")))
-                    self.metrics.requests.labels(active.job.config.method, "error").inc()
-                    self._release(active)
-                self._batch = engine.Batch(self.spec.runner)
+                    self._fail(active)
+                self._batch = engine.Batch(self.spec.runner, isolate=True)
             self._save_if_due()
         for active in list(self._active):  # shutting down: every request still in flight ends now
-            self._end(active, "cancelled")
+            self._end(active, "shutdown")
+        self._stop.set()  # where the server's thread has ended, nobody else stops the worker
+        self._refuse_queued()
 
     def _of(self, row: engine.Row) -> Active:
         return next(a for a in self._active if a.row is row)
@@ -358,7 +381,7 @@ class Worker:
                 self._begin(job)
             except Exception:  # a bug, not bad input: this request fails, the others go on
                 log.exception("could not start a generation")
-                job.emit(Failed(ApiError(500, "internal error while generating", type="server_error")))
+                job.emit(Failed(internal_error()))
                 self.metrics.requests.labels(job.config.method, "error").inc()
 
     def _begin(self, job: Job) -> None:
@@ -426,12 +449,16 @@ class Worker:
                 break
             started = time.perf_counter()
             take = min(budget, joining.left)
-            done = joining.prefill(take)
-            self.metrics.prefill_seconds.inc(time.perf_counter() - started)
             budget -= take
-            if done:
-                active.row = self._batch.admit(joining)
-                active.joining = None
+            try:  # a request whose prefill or drafter's start raises fails alone (admit leaves the batch as it was)
+                done = joining.prefill(take)
+                self.metrics.prefill_seconds.inc(time.perf_counter() - started)
+                if done:
+                    active.row = self._batch.admit(joining)
+                    active.joining = None
+            except Exception:
+                log.exception("could not prefill a request")
+                self._fail(active)
 
     def _tokens(self, active: Active, new: list[int]) -> None:
         """A step's tokens for ``active``: hand out its text, and end it where it ends."""
@@ -461,7 +488,7 @@ class Worker:
     def _ended_early(self, active: Active) -> bool:
         """End ``active`` if its client left, its time ran out or the server is stopping."""
         job = active.job
-        ended = job.cancel_reason if job.cancelled.is_set() else "cancelled" if self._stop.is_set() else ""
+        ended = job.cancel_reason if job.cancelled.is_set() else "shutdown" if self._stop.is_set() else ""
         ended = ended or ("timeout" if job.expired else "")
         if ended:
             self._end(active, ended)
@@ -471,10 +498,10 @@ class Worker:
         """The request is over: ``ended`` says why, if it stopped before its own end (EOS, length)."""
         job, method, stats = active.job, active.job.config.method, active.request.stats
         self._release(active, ended)
-        if ended in ("cancelled", "timeout"):
-            if ended == "timeout":
-                job.emit(Failed(timeout_error(job.timeout)))
-            self.metrics.requests.labels(method, ended).inc()
+        if ended in ("cancelled", "timeout", "shutdown"):
+            if ended != "cancelled":  # (a cancelled request's client has gone)
+                job.emit(Failed(timeout_error(job.timeout) if ended == "timeout" else shutting_down()))
+            self.metrics.requests.labels(method, "cancelled" if ended == "shutdown" else ended).inc()
             return
         tail = active.text.finish(self.spec.decode(active.ids)) if not ended else ""
         if tail:  # text the incremental decoding held back to the end (an incomplete character)
@@ -493,14 +520,24 @@ class Worker:
         )
         self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (now - job.arrival)
 
+    def _fail(self, active: Active) -> None:
+        """``active``'s generation raised (a bug, not bad input): it fails alone, the others go on."""
+        active.job.emit(Failed(internal_error()))
+        self.metrics.requests.labels(active.job.config.method, "error").inc()
+        self._release(active, "error")
+
     def _release(self, active: Active, reason: str = "cancelled") -> None:
         """Take ``active`` out of the batch (its row at once) and free its drafter."""
         if active in self._active:
             self._active.remove(active)
+        reason = "cancelled" if reason in ("", "shutdown") else reason
         if active.row is not None and not active.row.done:
-            self._batch.leave(active.row, reason or "cancelled")
+            try:
+                self._batch.leave(active.row, reason)
+            except Exception:  # e.g. its drafter's finish: the request is over all the same
+                log.exception("a request's row failed to leave the batch")
         elif active.joining is not None:
-            active.request.stats.stop_reason = reason or "cancelled"
+            active.request.stats.stop_reason = reason
 
     def _save_if_due(self) -> None:
         if self._unsaved and time.monotonic() - self._last_save >= self._save_interval:
