@@ -34,7 +34,6 @@ kernel choice; greedy equality is always between runs on the same kernels.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import statistics
@@ -45,13 +44,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from speculum import machine
+
 logger = logging.getLogger("speculum")
 
 PAD_ROWS = 4  # forwards over fewer rows run as this many where that measures faster
 PAD_MARGIN = 0.03  # padding must measure at least this much faster (a wrong call costs a few %)
 PAD_ENV = "SPECULUM_ROW_PADDING"  # "0"/"off": never; "on": always (not measured); "refresh": measure again;
 # "dense": one- and two-row forwards on the stock kernel (not measured)
-_PAD_VERSION = 2  # 2: the stock kernel for one- and two-row forwards is a candidate too
+_PAD_VERSION = 3  # bumped when the measurement, its key or the file changes: older verdicts are measured again
 DENSE_ROWS = 2  # forwards of at most this many rows may run on the stock kernel (a dense copy of the weight)
 DENSE_MEMORY_SHARE = 0.5  # the dense copies are only tried if they take at most this share of the free memory
 
@@ -230,9 +231,7 @@ def dense_rows(model: nn.Module) -> int:
 
 def _dense_copies_fit(model: nn.Module) -> bool:
     """Whether dense copies of the packed weights take at most ``DENSE_MEMORY_SHARE`` of the free memory."""
-    from speculum.models.dtypes import _available_memory
-
-    free = _available_memory()
+    free = machine.available_memory()
     need = sum(
         m.in_features * m.out_features * m.packed_weight.element_size()
         for m in model.modules()
@@ -246,13 +245,15 @@ class RowPadding:
     """How a model's small forwards run, and why (``Speculum.row_padding``; ``speculum generate
     --stats``): padded to ``PAD_ROWS`` rows (``rows``), on the stock kernel up to ``dense_rows`` rows,
     or as they are. ``ms``: the measured forwards (one and two tokens, as they are, padded and on the
-    stock kernel); ``cached``: the measurement was read from the cache."""
+    stock kernel); ``cached``: the measurement was read from the cache; ``provisional``: "" or why the
+    measurement is provisional (taken while the CPU was busy: measured again at rest)."""
 
     rows: int
     reason: str
     ms: dict[str, float] = field(default_factory=dict)
     cached: bool = False
     dense_rows: int = 0
+    provisional: str = ""
 
     def describe(self) -> str:
         if self.dense_rows:
@@ -261,7 +262,8 @@ class RowPadding:
             what = f"forwards of 1-{PAD_ROWS - 1} rows padded to {PAD_ROWS}"
         else:
             what = "no padding"
-        return f"{what} ({self.reason}{', measured earlier, cached' if self.cached and self.ms else ''})"
+        how = ", measured earlier, cached" if self.cached and self.ms else ""
+        return f"{what} ({self.reason}{how}{'; ' + self.provisional if self.provisional else ''})"
 
 
 def _pad_setting() -> str:
@@ -303,7 +305,8 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
     MKL ran a one-token step of the Qwen2.5-Coder 1.5B in 247 ms against oneDNN's packed 375 ms,
     while verifying 8 tokens cost it 802 ms against 500 (issue #18, twenty-sixth pass), so the
     verification forwards stay packed. Decided once per machine, software and model shape (cached
-    beside the cost model), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns both
+    beside the cost model; a verdict taken while the CPU was busy is measured again at rest, see
+    :func:`speculum.machine.measured`), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns both
     off, ``=on`` pads and ``=dense`` uses the stock kernel without measuring, ``=refresh`` measures
     again. The padded rows are zeros whose outputs are dropped, and plain decoding runs on the same
     kernels as the forwards of its width in a speculative round; the stock and the packed kernel can
@@ -315,19 +318,28 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
     if setting in ("off", "on", "dense"):
         _set_small_forwards(model, {"on": "padded", "dense": "dense"}.get(setting, ""))
         return RowPadding(min_rows(model), f"{PAD_ENV}={os.environ.get(PAD_ENV)}", dense_rows=dense_rows(model))
-    path = _padding_path(runner)
-    ms = None if setting == "refresh" else _read_padding(path)
-    cached = ms is not None
-    if ms is None:
+
+    def measure() -> dict[str, float]:
         start = time.perf_counter()
-        try:
-            ms = _time_padding(runner, reps, budget_s)
-        except Exception as error:  # noqa: BLE001 - an optimisation: never a reason to fail a load
-            _set_small_forwards(model, "")
-            logger.warning("speculum: could not time row padding (%s: %s)", type(error).__name__, error)
-            return RowPadding(1, f"measuring failed: {type(error).__name__}")
+        ms = _time_padding(runner, reps, budget_s)
         logger.info("speculum: timed row padding in %.1f s", time.perf_counter() - start)
-        _write_padding(path, ms)
+        return ms
+
+    try:
+        verdict = machine.measured(
+            _padding_path(runner),
+            _PAD_VERSION,
+            measure,
+            lambda ms: {"ms": ms},
+            _decode_padding,
+            refresh=setting == "refresh",
+            what="row-padding verdict",
+        )
+    except Exception as error:  # noqa: BLE001 - an optimisation: never a reason to fail a load
+        _set_small_forwards(model, "")
+        logger.warning("speculum: could not time row padding (%s: %s)", type(error).__name__, error)
+        return RowPadding(1, f"measuring failed: {type(error).__name__}")
+    ms, cached = verdict.value, verdict.cached
     totals = {
         mode: ms[_label(1, mode)] + ms[_label(2, mode)] for mode in ("", "padded", "dense") if _label(1, mode) in ms
     }
@@ -341,7 +353,7 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
     )
     if "1 dense" in ms:
         reason += f"; on the stock kernel {ms['1 dense']:.1f} and {ms['2 dense']:.1f} ms"
-    return RowPadding(min_rows(model), reason, dict(ms), cached, dense_rows(model))
+    return RowPadding(min_rows(model), reason, dict(ms), cached, dense_rows(model), verdict.describe_provisional())
 
 
 def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
@@ -384,28 +396,18 @@ def _padding_path(runner):
     return cache_dir() / f"rows-{machine_key(runner, padding=False)}.json"
 
 
+def _decode_padding(doc: dict) -> dict[str, float]:
+    """The timings of a row-padding cache file (raises ValueError for odd ones)."""
+    ms = doc["ms"]
+    base = {"1", "1 padded", "2", "2 padded"}
+    if not (set(ms) == base or set(ms) == base | {"1 dense", "2 dense"}):
+        raise ValueError("unexpected forwards")
+    if not all(machine.finite_positive(v) for v in ms.values()):
+        raise ValueError("bad timings")
+    return {str(k): float(v) for k, v in ms.items()}
+
+
 def _read_padding(path) -> dict[str, float] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        ms = data["ms"]
-        base = {"1", "1 padded", "2", "2 padded"}
-        if data.get("version") != _PAD_VERSION or not (set(ms) == base or set(ms) == base | {"1 dense", "2 dense"}):
-            raise ValueError("another version")
-        if not all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in ms.values()):
-            raise ValueError("bad timings")
-        return {str(k): float(v) for k, v in ms.items()}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.info("speculum: ignoring the row-padding cache file %s (%s); measuring again", path, error)
-        return None
-
-
-def _write_padding(path, ms: dict[str, float]) -> None:
-    from speculum.poolfile import write_atomic
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, (json.dumps({"version": _PAD_VERSION, "ms": ms}) + "\n").encode(), what="row-padding cache")
-    except Exception as error:  # noqa: BLE001 - a cache that cannot be written costs a re-measure, nothing more
-        logger.warning("speculum: could not cache the row-padding decision (%s)", error)
+    """The timings cached at ``path``, or None (missing, unreadable, another version)."""
+    found = machine.read_cached(path, _PAD_VERSION, _decode_padding, "row-padding verdict")
+    return None if found is None else found[0]

@@ -153,10 +153,12 @@ def generate(
     if json_output:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     elif stats:
-        print_stats(result, config, spec.dtype_choice, spec.row_padding, spec.device_type)
+        # the curve the controller judged by, where one ran (reading spec.cost_model would measure one)
+        cost_model = getattr(spec, "_cost_model", None)
+        print_stats(result, config, spec.dtype_choice, spec.row_padding, spec.device_type, cost_model)
 
 
-def print_stats(result, config, dtype_choice=None, row_padding=None, device_type=None) -> None:
+def print_stats(result, config, dtype_choice=None, row_padding=None, device_type=None, cost_model=None) -> None:
     s = result.stats
     table = Table(title=f"{config!r}", show_header=False, title_justify="left")
     rows = [
@@ -204,6 +206,8 @@ def print_stats(result, config, dtype_choice=None, row_padding=None, device_type
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
         err.print(f"linear layers: {row_padding.describe()}", soft_wrap=True, markup=False, highlight=False)
+    if cost_model is not None:  # the verification costs, and whether they were measured on a busy CPU
+        err.print(f"verification costs: {cost_model.describe()}", soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()

@@ -4,8 +4,11 @@ One model serves the engine's controller, ``speculum tune`` and the studies scri
 
 - **Measured** once for the loaded model, dtype, device and thread count (:meth:`CostModel.measure`:
   a few forwards over trees of 1..64 nodes, the sizes interleaved, after a cache of a typical
-  prompt length, a few seconds), and cached on disk (:func:`measured_cost_model`) under a key that
-  another CPU, model, dtype, device, thread count or library version never shares.
+  prompt length, a few seconds; both cut to fit a short context), and cached on disk
+  (:func:`measured_cost_model`) under a key that another CPU, model, dtype, attention
+  implementation, LM-head mode, device, thread count or library version never shares. A curve
+  measured while the CPU was busy is provisional: measured again by a later load at rest
+  (:func:`speculum.machine.measured`).
 - **Refined online** (:meth:`CostModel.observe`): every verification forward the engine runs is a
   free sample. Each sample updates a correction factor for its size bucket (an exponential moving
   average of measured / predicted), so the curve follows a machine that got busier, a cache that
@@ -20,7 +23,6 @@ import hashlib
 import json
 import logging
 import math
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -29,11 +31,15 @@ from pathlib import Path
 
 import torch
 
+from speculum import machine
+from speculum.errors import SpeculumError
+
 log = logging.getLogger("speculum")
 
 FORMAT = "speculum-costs"
-VERSION = 2  # 2: sizes measured interleaved (curves measured in blocks are measured again)
+VERSION = 3  # bumped when the measurement, its key or the file changes: older curves are measured again
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
+PREFIX = 256  # tokens of the default probe context (one is the root of the timed trees)
 # A forward this many times off its prediction is not noise but a curve measured on another machine
 # state: a CPU oversubscribed by a second process reads 3-15x slow (Gemma 3 270M's t(1) cached at
 # 1.5 s against 0.08 s timed, issue #18), while a cold first forward or a busy phase reads <= 2x.
@@ -63,6 +69,9 @@ class CostModel:
     _gross_slow: bool = field(default=False, repr=False, compare=False)  # that run's way: slower than the curve
     _gross_factor: float = field(default=1.0, repr=False, compare=False)  # the correction when it began
     _scaled: float = field(default=1.0, repr=False, compare=False)  # the rescales' product since it was read
+    # where measured_cost_model got it ("" for a curve built otherwise), and "" or why it is provisional
+    origin: str = field(default="", repr=False, compare=False)
+    provisional: str = field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Past one token a bigger forward never costs less, so a point above a larger size's is noise
@@ -183,6 +192,12 @@ class CostModel:
         """This curve with t(1) replaced by a measured plain-decoding cost per token."""
         return CostModel([(1, seconds)] + [pt for pt in self.points if pt[0] > 1], self.smoothing)
 
+    def describe(self) -> str:
+        """One line for ``speculum generate --stats``: a few points and where the curve came from."""
+        shown = ", ".join(f"t({n}) {t * 1000:.3g} ms" for n, t in self.points if n in (1, 4, 16, 64))
+        how = "; ".join(part for part in (self.origin, self.provisional) if part)
+        return f"{shown} ({how})" if how else shown
+
     @property
     def plain_step(self) -> float:
         """t(1): one token, what plain decoding pays per token."""
@@ -190,7 +205,8 @@ class CostModel:
 
     @classmethod
     def measure(cls, runner, prefix_ids: list[int], sizes: Sequence[int] = SIZES, reps: int = 5) -> CostModel:
-        """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids``, the sizes
+        """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids`` (cut to fit
+        the model's context: see :func:`fitting`), the sizes
         interleaved (one forward of each size per repetition, after one warm-up pass). Interleaving
         matters: a CPU has slow phases of seconds (bfloat16 on AVX-512-bf16 here, or another
         process), and timing each size in a block of its own put a whole phase on one size (issue
@@ -199,6 +215,7 @@ class CostModel:
         root, so the tree mask is paid as in real drafts."""
         from speculum.cache import crop
 
+        prefix_ids, sizes = fitting(getattr(runner, "max_positions", None), prefix_ids, sizes)
         cache = runner.new_cache()
         runner.prefill(cache, prefix_ids[:-1])
         past = len(prefix_ids) - 1
@@ -220,12 +237,39 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, doc: dict) -> CostModel:
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError("not a speculum cost file of this version")
-        points = [(int(n), float(t)) for n, t in doc["points"]]
-        if not points or any(t <= 0 or not math.isfinite(t) for _, t in points):
-            raise ValueError("bad points")
-        return cls(sorted(points))
+        """The curve of ``doc`` (:meth:`to_dict`); raises :class:`CostFileError` for anything else,
+        among which a curve of fewer than two sizes, which ``base`` could not interpolate."""
+        try:
+            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+                raise CostFileError("not a speculum cost file of this version")
+            points = sorted((int(n), float(t)) for n, t in doc["points"])
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            if isinstance(error, CostFileError):
+                raise
+            raise CostFileError(f"not a cost curve: {error}") from error
+        if any(n < 1 or t <= 0 or not math.isfinite(t) for n, t in points):
+            raise CostFileError("bad points: sizes from 1, finite positive times")
+        if len({n for n, _ in points}) != len(points) or len(points) < 2:
+            raise CostFileError(f"a cost curve needs two sizes or more, each once; got {[n for n, _ in points]}")
+        return cls(points)
+
+
+class CostFileError(SpeculumError, ValueError):
+    """A cost curve (a cache file's) that cannot be used: another format or version, bad numbers, or fewer
+    than two sizes. A cache file holding one is measured again."""
+
+
+def fitting(max_positions: int | None, prefix_ids: list[int], sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The probe context and tree sizes cut to fit a context of ``max_positions``: the prefix keeps at
+    least half of it, sizes past the other half are dropped, and the prefix is then cut so that the
+    largest tree left fits after it (models with learned positions index past their table otherwise)."""
+    sizes = sorted(sizes)
+    if not max_positions:
+        return list(prefix_ids), sizes
+    kept = [n for n in sizes if n <= max(max_positions // 2, 2)] or sizes[:2]
+    # the prefix's last token is the trees' root: its cache holds len(prefix) - 1 positions
+    room = max(max_positions - max(kept) + 1, 2)
+    return list(prefix_ids[-room:]), kept
 
 
 def two_branch_tree(ids: list[int], n: int):
@@ -243,32 +287,15 @@ def two_branch_tree(ids: list[int], n: int):
 
 
 def cache_dir() -> Path:
-    from speculum.models.convert import cache_dir as speculum_cache
-
-    return speculum_cache() / "costs"
-
-
-def _cpu_identity() -> str:
-    """The CPU model and its vector extensions (another CPU must not reuse a measurement)."""
-    name, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    wanted = ("avx", "amx", "fma", "f16c", "bf16")
-                    flags = " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(wanted)))
-                    break
-    except OSError:
-        pass
-    return f"{name}|{flags}"
+    """Where measured curves and row-padding verdicts are cached."""
+    return machine.cache_dir() / "costs"
 
 
 def machine_key(runner, *, padding: bool = True) -> str:
-    """What a measured curve depends on: the model's shape and dtype, whether it is prepacked (and its
-    small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
-    itself), the device, threads, the CPU and library versions."""
+    """What a measured curve depends on: the model's shape and dtype, its attention implementation,
+    whether its LM head runs lazily, whether it is prepacked (and its small forwards padded or on the
+    stock kernel, unless ``padding=False``: the key of that decision itself), the device, threads, the
+    CPU (:func:`speculum.machine.cpu_identity`) and library versions."""
     import transformers
 
     from speculum.accel import dense_rows, min_rows
@@ -282,10 +309,16 @@ def machine_key(runner, *, padding: bool = True) -> str:
     }  # fmt: skip
     packed = any(type(m).__name__ != "Linear" and "Linear" in type(m).__name__ for m in model.modules())
     device = runner.input_device
-    accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_identity()
+    if device.type == "cuda":
+        accelerator = torch.cuda.get_device_name(device)
+    else:
+        accelerator = json.dumps(machine.cpu_identity(), sort_keys=True)
     parts = [
+        f"version={VERSION}",
         json.dumps(shape, sort_keys=True),
         str(runner.dtype),
+        f"attention={getattr(model.config, '_attn_implementation', None)}",
+        f"lazy_head={getattr(runner, 'lazy_head', None)}",
         f"packed={packed}"
         + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")
         + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else ""),
@@ -300,33 +333,34 @@ def machine_key(runner, *, padding: bool = True) -> str:
 
 def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh: bool = False) -> CostModel:
     """The cost model of ``runner``'s model on this machine: from the disk cache when this exact
-    setting was measured before, else measured now (a few seconds) and cached. A cache file that
-    cannot be read is measured again, never an error."""
-    from speculum.poolfile import write_atomic
-
-    path = cache_dir() / f"{machine_key(runner)}.json"
-    if not refresh:
-        try:
-            model = CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            log.debug("speculum: verification costs from %s", path)
-            model.path = path
-            return model
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    setting was measured before (and not while the CPU was busy, unless it still is), else measured
+    now (a few seconds) and cached. A cache file that cannot be read is measured again, never an error."""
     if prefix_ids is None:  # a typical chat-length context: costs grow a little with the cache
         vocab = runner.model.get_input_embeddings().num_embeddings
-        prefix_ids = [(i * 7919 + 10) % vocab for i in range(256)]
-    start = time.perf_counter()
-    model = CostModel.measure(runner, prefix_ids)
-    log.info(
-        "speculum: measured verification costs in %.1f s: %s",
-        time.perf_counter() - start,
-        ", ".join(f"t({n})={t * 1000:.1f} ms" for n, t in model.points),
+        prefix_ids = [(i * 7919 + 10) % vocab for i in range(PREFIX)]
+
+    def measure() -> CostModel:
+        start = time.perf_counter()
+        model = CostModel.measure(runner, prefix_ids)
+        log.info(
+            "speculum: measured verification costs in %.1f s: %s",
+            time.perf_counter() - start,
+            ", ".join(f"t({n})={t * 1000:.1f} ms" for n, t in model.points),
+        )
+        return model
+
+    verdict = machine.measured(
+        cache_dir() / f"{machine_key(runner)}.json",
+        VERSION,
+        measure,
+        CostModel.to_dict,
+        CostModel.from_dict,
+        refresh=refresh,
+        what="cost curve",
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, (json.dumps(model.to_dict()) + "\n").encode(), what="cost file")
-        model.path = path
-    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs a re-measure, nothing more
-        log.warning("speculum: could not cache the measured costs in %s: %s", path, exc)
+    model = verdict.value
+    model.path, model.provisional = verdict.path, verdict.describe_provisional()
+    model.origin = "measured earlier, cached" if verdict.cached else f"measured in {verdict.seconds:.1f} s"
+    if verdict.cached:
+        log.debug("speculum: verification costs from %s", verdict.path)
     return model

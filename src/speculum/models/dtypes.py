@@ -22,14 +22,15 @@ the model itself loads (the model is then loaded once, in the chosen dtype):
 
 This takes about a second for models of 0.3-1.5B parameters (besides the imports that loading
 needs anyway), with fewer repetitions once timing passes 2 s on a crowded CPU. The timings are
-cached in ``<cache_dir>/dtype/``, keyed by the CPU (model name, flags, count), the torch and
-transformers versions, the thread count, prepacking and the model's shapes; a cache file that
-cannot be read is ignored and the choice measured again. A float32 model that would take more than
+cached in ``<cache_dir>/dtype/``, keyed by the CPU (:func:`speculum.machine.cpu_identity`: model
+name, flags, count), the torch and transformers versions, the thread count, prepacking and the
+model's shapes; a cache file that cannot be read is ignored and the choice measured again. Timings
+taken while other work kept the CPU busy are provisional (:func:`speculum.machine.measured`): used,
+and measured again by a later load that finds the CPU at rest. A float32 model that would take more than
 80% of the free memory is loaded in bfloat16 instead (checked on every load). bfloat16 must be
 predicted at least 15% faster to be chosen (``_FLOAT32_MARGIN``: its short measurement is optimistic). Set
 ``SPECULUM_DTYPE_MEASURE=0`` to skip measuring (the flag rule of :func:`resolve_dtype`: bfloat16
-wherever the CPU has native bfloat16), e.g. in CI, or ``=refresh`` to measure again (timings taken
-while other jobs crowded the CPU can mislead).
+wherever the CPU has native bfloat16), e.g. in CI, or ``=refresh`` to measure again.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from speculum import machine
 from speculum.errors import InvalidInputError
+from speculum.machine import available_memory as _available_memory
+from speculum.machine import cpu_identity as _cpu_identity
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +150,8 @@ def _check_device(device: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ measured "auto"
 
-# bump when the measurement changes: older decisions are then measured again (2: a bf16 LM head runs
-# eagerly on CPUs with native bf16 kernels, see ModelRunner._lazy_head_pays; 3: bfloat16 is
-# prepacked too where the CPU computes it natively, see speculum.accel)
-_CACHE_VERSION = 3
+# bump when the measurement or the file changes: older decisions are then measured again
+_CACHE_VERSION = 4
 _PAST = 256  # cached positions before the timed steps
 _VERIFY = {4: 2, 8: 3}  # verification width -> tokens it is assumed to commit (see _blend)
 _REPS = 3  # timed repetitions per shape (after one warm-up); the fastest is kept (other jobs only add time)
@@ -195,7 +196,8 @@ class DtypeChoice:
 
     ``ms_per_token``: each measured candidate's predicted milliseconds per generated token (empty when
     nothing was measured); ``cached``: the measurement was read from the cache; ``seconds``: time spent
-    measuring now.
+    measuring now; ``provisional``: measured while the CPU was busy (``load``: how busy), so measured
+    again by a later load at rest.
     """
 
     dtype: torch.dtype
@@ -204,6 +206,8 @@ class DtypeChoice:
     ms_per_token: dict[str, float] = field(default_factory=dict)
     cached: bool = False
     seconds: float = 0.0
+    provisional: bool = False
+    load: str = ""
 
     @property
     def name(self) -> str:
@@ -219,6 +223,8 @@ class DtypeChoice:
         if not self.measured:
             return f"{self.name} ({self.reason})"
         how = "measured earlier, cached" if self.cached else f"measured in {self.seconds:.1f} s"
+        if self.provisional:
+            how += f"; provisional: measured while the CPU was busy ({self.load}), measured again at rest"
         return f"{self.name} ({self.reason}, {how})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +235,7 @@ class DtypeChoice:
             "ms_per_token": dict(self.ms_per_token),
             "cached": self.cached,
             "seconds": round(self.seconds, 3),
+            "provisional": self.provisional,
         }
 
 
@@ -288,20 +295,32 @@ def choose_dtype(
         key, inputs = _cache_key(config, prepack)
     except Exception as error:  # noqa: BLE001 - an odd config: no caching, no measuring (the load reports it)
         return DtypeChoice(torch.bfloat16, f"{flag_rule} (not measured: {type(error).__name__})")
-    path = _cache_path(key)
-    times = _read_cached(path, key) if setting != "refresh" else None
-    cached, seconds = times is not None, 0.0
-    if times is None:
+
+    def measure() -> dict[str, float]:
         _import_model_code(config)  # what loading the model imports anyway: not counted as measuring
         t0 = time.perf_counter()
-        try:
-            times = _measure(config, prepack)
-        except Exception as error:  # noqa: BLE001 - measuring is an optimisation: never a reason to fail a load
-            logger.warning("speculum: could not time dtypes for this model (%s: %s)", type(error).__name__, error)
-            return DtypeChoice(torch.bfloat16, f"{flag_rule} (measuring failed: {type(error).__name__})")
-        seconds = time.perf_counter() - t0
-        _write_cached(path, key, inputs, times, seconds)
-    choice = _decide(times, cached, seconds)
+        times = _measure(config, prepack)
+        spent[0] = time.perf_counter() - t0
+        return times
+
+    spent = [0.0]
+    try:
+        verdict = machine.measured(
+            _cache_path(key),
+            _CACHE_VERSION,
+            measure,
+            lambda times: {"key": key, "inputs": inputs, "ms_per_token": times},
+            lambda doc: _decode_cached(doc, key),
+            refresh=setting == "refresh",
+            what="dtype choice",
+        )
+    except Exception as error:  # noqa: BLE001 - measuring is an optimisation: never a reason to fail a load
+        logger.warning("speculum: could not time dtypes for this model (%s: %s)", type(error).__name__, error)
+        return DtypeChoice(torch.bfloat16, f"{flag_rule} (measuring failed: {type(error).__name__})")
+    choice = _decide(verdict.value, verdict.cached, spent[0])
+    if verdict.provisional:
+        load = verdict.load.describe() if verdict.load is not None else "load unknown"
+        choice = replace(choice, provisional=True, load=load)
     if choice.dtype is torch.float32:
         choice = _unless_out_of_memory(choice, config)
     logger.info("speculum: dtype %s", choice.describe())
@@ -325,18 +344,6 @@ def _unless_out_of_memory(choice: DtypeChoice, config: Any) -> DtypeChoice:
     return replace(choice, dtype=torch.bfloat16, reason=choice.reason + why)
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available for new allocations (Linux), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _decide(times: dict[str, float], cached: bool, seconds: float) -> DtypeChoice:
     """The faster candidate of ``times`` (label -> ms per token), float32 unless bfloat16 wins clearly."""
     f32_label = next(label for label in times if label != "bfloat16")
@@ -354,34 +361,6 @@ def _ms(value: float) -> str:
 
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _cpu_identity() -> dict[str, Any]:
-    """What tells one CPU from another: its model name and its flags (hashed), the architecture, and the
-    kernels PyTorch dispatches to."""
-    name = flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")) and not flags:
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                if name and flags:
-                    break
-    except OSError:
-        pass
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - old torch
-        capability = ""
-    return {
-        "name": name or platform.processor(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-        "capability": capability,
-    }
 
 
 def _cache_key(config: Any, prepack: bool) -> tuple[str, dict[str, Any]]:
@@ -403,41 +382,19 @@ def _cache_key(config: Any, prepack: bool) -> tuple[str, dict[str, Any]]:
 
 
 def _cache_path(key: str):
-    from speculum.models.convert import cache_dir
-
-    return cache_dir() / "dtype" / f"{key[:32]}.json"
+    return machine.cache_dir() / "dtype" / f"{key[:32]}.json"
 
 
-def _read_cached(path, key: str) -> dict[str, float] | None:
-    """The cached timings for ``key``, or None (missing, unreadable, another key, or not what we wrote)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        times = data["ms_per_token"]
-        if data.get("key") != key or data.get("version") != _CACHE_VERSION or not isinstance(times, dict):
-            raise ValueError("another key or version")
-        if "bfloat16" not in times or len(times) != 2:
-            raise ValueError("unexpected candidates")
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in times.values()):
-            raise ValueError("bad timings")
-        return {str(label): float(ms) for label, ms in times.items()}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.info("speculum: ignoring the dtype cache file %s (%s); measuring again", path, error)
-        return None
-
-
-def _write_cached(path, key: str, inputs: dict, times: dict[str, float], seconds: float) -> None:
-    from speculum.poolfile import write_atomic
-
-    data = {"version": _CACHE_VERSION, "key": key, "inputs": inputs, "ms_per_token": times, "seconds": seconds}
-    if hasattr(os, "getloadavg"):  # for whoever wonders about a decision: how busy the CPU was then
-        data["load_average"] = os.getloadavg()[0]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode(), what="dtype cache")
-    except OSError as error:  # a read-only cache: the choice is still made, just not remembered
-        logger.warning("speculum: could not cache the dtype choice (%s)", error)
+def _decode_cached(doc: dict[str, Any], key: str) -> dict[str, float]:
+    """The timings of a cache file written for ``key`` (raises ValueError for another key or odd ones)."""
+    times = doc["ms_per_token"]
+    if doc.get("key") != key or not isinstance(times, dict):
+        raise ValueError("another key")
+    if "bfloat16" not in times or len(times) != 2:
+        raise ValueError("unexpected candidates")
+    if not all(machine.finite_positive(v) for v in times.values()):
+        raise ValueError("bad timings")
+    return {str(label): float(ms) for label, ms in times.items()}
 
 
 def _blend(step_ms: dict[int, float]) -> float:
