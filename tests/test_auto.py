@@ -260,7 +260,7 @@ def test_a_sampled_round_that_runs_the_draft_model_verifies_its_draft_alone():
     drafter.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
     drafter.groups = ["heads", "draft model"]
     sampled = SamplingParams(temperature=1.0)
-    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=sampled)
+    ctx = SimpleNamespace(rows=1, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=sampled, cost=None)
     assert drafter.propose(ctx).tokens == [5]
     assert drafter.parts[0].draft is None and drafter.parts[1].draft is None  # they did not run
     assert set(drafter._deciding) == {"draft model"}  # the heads' gate is not told about this round
@@ -272,7 +272,7 @@ def test_a_sampled_round_that_runs_the_draft_model_verifies_its_draft_alone():
     twin.options, twin._gates, twin.groups = Options(), drafter._gates, drafter.groups
     twin.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
     drafter.gate(2, "draft model")._skip = 0
-    greedy = SimpleNamespace(rows=2, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams())
+    greedy = SimpleNamespace(rows=2, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams(), cost=None)
     rows = AutoDrafter.propose_rows([drafter, twin], [SimpleNamespace(**{**vars(ctx), "rows": 2}), greedy])
     assert [d.tokens for d in rows] == [[5], [5, 7, 6]]
 

@@ -484,3 +484,28 @@ def test_sampled_rows_of_a_batch_follow_the_target_distribution(method):
     expected[-1] += trials - sum(expected)
     _, pvalue = chisquare(observed, expected)
     assert pvalue > 1e-3
+
+
+@pytest.mark.parametrize("curve, runs", [("cpu", False), ("gpu", True)])
+def test_auto_runs_its_draft_model_in_a_fresh_batch_only_where_the_cost_model_says_it_pays(monkeypatch, curve, runs):
+    """Before auto's draft model has run at a batch size, the target's cost model decides whether it
+    runs there, from the batch's first step: where every row and node of a forward costs compute (a
+    CPU-like curve) the rows decode without it; where verifying a tree costs what one token does (a
+    GPU-like curve) and a draft forward is cheap, they draft with it. The text is the same either way."""
+    model = tiny_model("llama")
+    draft = perturbed_copy(model, scale=0.4)
+    refs = [reference_greedy(model, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    cost = {
+        "cpu": CostModel([(1, 0.010), (2, 0.020), (64, 0.640)]),  # every node costs a whole step
+        "gpu": CostModel([(1, 0.010), (64, 0.011)]),
+    }[curve]
+    calls = record_batched_forwards(monkeypatch, draft)
+    config = speculum.SpeculativeConfig("auto")
+    resources = speculum.drafters.base.Resources(target=model, draft_model=draft, vocab_size=VOCAB, model_key="t")
+    drafters = [config.drafter_class()(config.options(), resources) for _ in PROMPTS]
+    drafters[0].parts[-1].drafter.clock.step[1] = 0.0005  # a draft forward timed alone: a twentieth of a step
+    configuration = Controller(cost)
+    outputs, stats = run_rows(model, drafters, controllers=[configuration.for_row() for _ in PROMPTS])
+    assert outputs == refs
+    assert any(calls) == runs
+    assert (sum(s.accepted_by.get("draft_model", 0) for s in stats) > 0) == runs

@@ -150,6 +150,7 @@ class Row:
         ctx.rows = rows
         self.t0 = time.perf_counter()
         controller = request.controller
+        ctx.cost = controller.cost if controller is not None else None
         if controller is None or ctx.max_depth <= 0:
             self.asked = ctx.max_depth > 0
         else:

@@ -31,18 +31,18 @@ Lossless as every method: the verifier decides, drafters only propose.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from speculum.controller import LONG_SMOOTHING, Backoff, CatchUpRule, Goodput, by_batch_size
+from speculum.controller import by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
+from speculum.drafters.model_gate import BatchRound, ModelGate
 from speculum.errors import InvalidInputError, SpeculumError
 
-__all__ = ["AutoDrafter", "Options"]
+__all__ = ["AutoDrafter", "ModelGate", "Options"]
 
 CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model", "ouroboros")
 # what ``auto`` composes when ``drafters`` is not given (each where the loaded model has it). The draft
@@ -156,119 +156,6 @@ class _Part:
     nodes: list[int] = field(default_factory=list)  # index in the merged draft of each of this draft's nodes
 
 
-class ModelGate:
-    """Whether to run a group of costly drafters (a draft model, or heads) this round: while rounds with them pay
-    more per second than rounds without them; after they stop paying they are tried again after 1,
-    2, 4, ... ``max_backoff`` rounds (grown past it, as the controller's back-off is, until a probe
-    loses at most ``exploration`` of the time), for a probe of a few rounds.
-
-    "Without them" is measured on the same rounds where it can be (``record``'s ``without``: what
-    the round would have committed had only the other drafters' nodes been verified, and what it
-    would have cost without the group's drafting and its nodes' share of the forward): paired,
-    so a burst of n-gram copies lifts both sides alike. Comparing rounds with the heads against
-    other rounds without them let chance decide (issue #18: greedy n-gram rounds are too bursty
-    for the two averages to settle in a few rounds, and Gemma's Medusa heads ran where they cost
-    more than they brought). Without that estimate, one round in ``refresh`` goes without them,
-    to keep that side's measure fresh.
-
-    A round is one decision (``use``) and what it gave (``record``), summed over the rows it was
-    made for: in a batch, one gate decides for every row of the configuration at once (their draft
-    model runs batched, so its cost is the group's, not a row's), and each row is a sample."""
-
-    def __init__(self, max_backoff: int = 32, refresh: int = 16, margin: float = 0.03, exploration: float = 0.015):
-        self.refresh = refresh
-        self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
-        self.with_model, self.without_model = Goodput(), Goodput()
-        # the same rounds over a longer memory, never restarted, for the catch-up rule: the gate stops
-        # the group right after a window of rounds that lost, and a rule reading that very window kept
-        # the draft model off for whole requests at T=1 (issue #18, twenty-fifth pass)
-        self.with_model_long, self.without_model_long = Goodput(LONG_SMOOTHING), Goodput(LONG_SMOOTHING)
-        self.backoff = Backoff(max_backoff, exploration)  # its losses: rounds without the model each lost
-        self._skip, self._probe = 0, False
-        self._refreshing = False  # the rounds skipped are a refresh of the other side, not a back-off
-        self._since_refresh = 0
-        # used -> [tokens, seconds, rows, tokens without, seconds without, rows with that estimate]
-        self._pending: dict[bool, list[float]] = {}
-        # alone, a request's first use of the group may start with a catch-up (a draft model's
-        # prefill): see worth_catching_up
-        self.catch_up_rule = CatchUpRule()
-
-    def worth_catching_up(self, catch_up: float, generated: int, tokens_left: int) -> bool:
-        """Whether using the group now, when it must first catch up for ``catch_up`` seconds, pays
-        over what the request likely has left (``CatchUpRule``, on the rounds with the group
-        against those without, over the longer memory)."""
-        with_rate, without_rate = self.with_model_long.rate, self.without_model_long.rate
-        known = with_rate is not None and without_rate is not None and self.with_model_long.judged
-        saving = 1.0 / without_rate - 1.0 / with_rate if known else None  # seconds per token
-        step = 1.0 / without_rate if known else 0.0
-        return self.catch_up_rule.pays(catch_up, saving, generated, tokens_left, step)
-
-    def copied(self) -> ModelGate:
-        """A copy without the round in progress (a larger batch size starts from it)."""
-        twin = copy.deepcopy(self)
-        twin._pending = {}
-        return twin
-
-    def use(self) -> bool:
-        self._fold()
-        if self._skip > 0:
-            self._skip -= 1
-            self._probe = self._skip == 0 and not self._refreshing
-            return False
-        self._refreshing = False
-        return True
-
-    def record(self, used: bool, tokens: int, seconds: float, without: tuple[float, float] | None = None) -> None:
-        """One row's part of the round decided last (learned from at the next decision);
-        ``without``: for a round that ran the group, (tokens, seconds) the round would have given
-        without it (see the class docstring)."""
-        pending = self._pending.setdefault(used, [0.0, 0.0, 0, 0.0, 0.0, 0])
-        pending[0] += tokens
-        pending[1] += seconds
-        pending[2] += 1
-        if used and without is not None:
-            pending[3] += without[0]
-            pending[4] += without[1]
-            pending[5] += 1
-
-    def _fold(self) -> None:
-        pending, self._pending = self._pending, {}
-        for used, (tokens, seconds, rows, tokens_without, seconds_without, paired) in pending.items():
-            without = (tokens_without / paired, seconds_without / paired, paired) if paired else None
-            self._learn(used, tokens / rows, seconds / rows, rows, without)
-
-    def _learn(
-        self, used: bool, tokens: float, seconds: float, rows: int, without: tuple[float, float, int] | None
-    ) -> None:
-        if not used:
-            self.without_model.add(tokens, seconds, rows=rows)
-            self.without_model_long.add(tokens, seconds, rows=rows)
-            return
-        if without is not None:
-            # measured on these very rounds (a probe restarts both sides alike)
-            self.without_model.add(without[0], without[1], fresh=self._probe, rows=without[2])
-            self.without_model_long.add(without[0], without[1], rows=without[2])
-        self.with_model.add(tokens, seconds, fresh=self._probe, rows=rows)
-        self.with_model_long.add(tokens, seconds, rows=rows)
-        cheap = self.without_model.rate
-        if cheap is not None:  # rounds without the model this one round lost, per row
-            self.backoff.note(seconds * cheap - tokens, self._probe, self.with_model.min_evidence)
-        self._probe = False
-        if not self.with_model.judged:
-            return
-        if cheap is not None and self.with_model.rate < cheap * (1.0 + self.margin):
-            self._skip, self._refreshing = self.backoff.lost(), False
-            self._since_refresh = 0
-            return
-        self.backoff.won()
-        if without is not None:
-            return  # the other side was measured on this very round: none need go without them
-        self._since_refresh += 1
-        if cheap is None or self._since_refresh >= self.refresh:
-            # one round without them: measure that side (again)
-            self._skip, self._since_refresh, self._refreshing = 1, 0, True
-
-
 class AutoDrafter(Drafter):
     """Every available drafter, composed (see the module docstring)."""
 
@@ -316,6 +203,8 @@ class AutoDrafter(Drafter):
              options.draft_confidence, options.max_backoff, options.chain_stop), {},
         )  # fmt: skip
         self.groups = list(dict.fromkeys(GATE_GROUPS[n] for n in self.names if n in GATE_GROUPS))
+        # a draft forward's cost against the target's, before the draft's clock has timed one
+        self._draft_size = _size_ratio(resources.draft_model, resources.target)
         self._deciding: dict[str, ModelGate] = {}  # group -> the gate that decided this round
         self._used: dict[str, bool] = {}  # group -> whether it runs this round
         self._drafting: dict[str, float] = {}  # group -> seconds its drafters took this round (this row's)
@@ -374,6 +263,7 @@ class AutoDrafter(Drafter):
         if self._chain_alone:
             gates = {DRAFT_MODEL_GROUP: gates[DRAFT_MODEL_GROUP]}
         self._deciding, self._used = gates, used
+        self._model_forwards = self._draft_model_forwards()
         self._drafting = {}
         self.catch_up_seconds = 0.0
         for part in self.parts:
@@ -423,6 +313,10 @@ class AutoDrafter(Drafter):
         gates = {group: drafters[0].gate(ctxs[0].rows, group) for group in drafters[0].groups}
         used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
         # draft model runs for all of them or none
+        model_gate = gates.get(DRAFT_MODEL_GROUP)
+        if used.get(DRAFT_MODEL_GROUP) and not model_gate.measured:
+            batch = drafters[0]._batch_round(drafters, ctxs)
+            used[DRAFT_MODEL_GROUP] = batch is None or model_gate.predicts_paying(batch)
         for drafter, ctx in zip(drafters, ctxs, strict=True):
             drafter._decide(gates, used, not ctx.sampling.greedy)
         for k in range(len(drafters[0].parts)):
@@ -439,6 +333,40 @@ class AutoDrafter(Drafter):
             for (d, _), draft in zip(rows, drafts, strict=True):
                 d._drafted(d.parts[k], draft, share)
         return [drafter._merged() for drafter in drafters]
+
+    def _draft_model_forwards(self) -> int:
+        return sum(p.drafter.forwards for p in self.parts if p.name in DRAFT_MODEL_PARTS)
+
+    def _batch_round(self, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> BatchRound | None:
+        """The batch step the draft model would run in, for its gate's prediction (None without a
+        cost model: no controller). A draft forward's cost is the clock's at that many rows where
+        it has run, else scaled from where it has by the target's curve, else the target's scaled
+        by the models' sizes; catching up costs the clock's seconds per token (or the target's
+        prefill rate, scaled), for every token the rows' draft caches lack."""
+        cost = ctxs[0].cost
+        part = next((p.drafter for p in self.parts if p.name in DRAFT_MODEL_PARTS), None)
+        if cost is None or part is None:
+            return None
+        own = len(drafters)
+        steps = part.clock.step
+        if own in steps:
+            step = steps[own]
+        elif steps:
+            near = min(steps, key=lambda r: abs(r - own))
+            step = steps[near] * cost.batch(own, 1) / cost.batch(near, 1)
+        else:
+            step = cost.batch(own, 1) * self._draft_size
+        per_token = part.clock.per_token
+        if per_token is None:
+            per_token = cost.base(64) / 64 * self._draft_size
+        backlog = 0
+        left = 0.0
+        alone = self.gate(1, DRAFT_MODEL_GROUP)
+        for drafter, ctx in zip(drafters, ctxs, strict=True):
+            model = next(p.drafter for p in drafter.parts if p.name in DRAFT_MODEL_PARTS)
+            backlog += model.state.backlog(ctx.tokens) + 1
+            left += alone.catch_up_rule.likely_left(len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1)
+        return BatchRound(cost, max(ctxs[0].rows, own), own, step, backlog * per_token, left)
 
     @property
     def _merge_order(self) -> list[_Part]:
@@ -503,6 +431,10 @@ class AutoDrafter(Drafter):
             # to turn off do not take the n-gram drafters' rounds down with them (issue #18: auto
             # took plain steps in 77% of GSM8K's rounds at T=1 on Gemma, where anpd alone took 2%)
             ran = {group for group in self._deciding if self._used[group]}
+            if DRAFT_MODEL_GROUP in ran and "row_seconds" not in outcome.stats:  # what its rounds look like alone
+                without = self._verified_without({DRAFT_MODEL_GROUP}, outcome)
+                forwards = self._draft_model_forwards() - self._model_forwards
+                self.gate(1, DRAFT_MODEL_GROUP).shape.add(forwards, outcome.drafted + 1, without + 1)
             if ran and "row_seconds" not in outcome.stats:
                 lean = self._without(ran, outcome, seconds)
                 if lean is not None:  # (tokens, seconds saved, the other drafters' nodes verified)
@@ -586,6 +518,19 @@ class AutoDrafter(Drafter):
             for key, value in part.drafter.request_stats().items():
                 merged[key] = merged.get(key, 0) + value if isinstance(value, (int, float)) else value
         return merged
+
+
+def _size_ratio(draft, target) -> float:
+    """What a forward of ``draft`` costs against one of ``target``, by their parameters (0.5 where
+    one is not known: a prior the draft's clock replaces once it has run)."""
+    if draft is None or target is None:
+        return 0.5
+    try:
+        draft_size = sum(p.numel() for p in draft.parameters())
+        target_size = sum(p.numel() for p in target.parameters())
+    except (AttributeError, TypeError):
+        return 0.5
+    return min(max(draft_size / max(target_size, 1), 0.01), 1.0)
 
 
 class _NodeMap:

@@ -31,6 +31,7 @@ from speculum.tree import MAX_DRAFT_NODES, Draft, TokenTree
 
 if TYPE_CHECKING:
     from speculum.controller import ChainStop
+    from speculum.costs import CostModel
 
 __all__ = [
     "Draft",
@@ -130,6 +131,9 @@ class DraftContext:
     # ``add``s each node's score and, after each draft forward, ends the chain unless
     # ``worth_another`` (None: only the drafter's own length policy decides).
     chain_stop: ChainStop | None = None
+    # The target's cost model under a controller (the engine sets it; None without one): what a
+    # forward over B rows of n nodes costs, for drafters that weigh their own cost against it.
+    cost: CostModel | None = None
 
 
 def token_probability(logits: torch.Tensor, token: int) -> float:
