@@ -216,9 +216,10 @@ class Speculum:
         **method_params: Any,
     ) -> GenerationResult | GenerationStream | list[GenerationResult] | BatchStream:
         """Generate from one prompt, or from a list of prompts decoded together in one batch (one
-        result each, in order; a stream then yields ``(index, chunk)``). Every prompt of a batch
-        gives what it would give alone, seed included: ``seed`` seeds each row as it would seed
-        that prompt's own request."""
+        result each, in order; a stream then yields ``(index, chunk)``). In float32 every prompt of a
+        batch gives what it would give alone, seed included (``seed`` seeds each row as it would
+        seed that prompt's own request); in bfloat16 a row can part from it at a near-tie of the
+        two best tokens, since a forward over several rows rounds differently."""
         config = SpeculativeConfig.coerce(self.default_config if method is None else method, **method_params)
         batched = _is_batch(prompt)
         prompts = [self.encode_prompt(p) for p in (prompt if batched else [prompt])]

@@ -86,7 +86,8 @@ def run(
 
 def run_batch(runner: ModelRunner, requests: list[Request]) -> Iterator[tuple[int, list[int]]]:
     """Generate several requests together; the iterator yields ``(index of the request, tokens it
-    committed this step)`` and fills each request's stats. Each row's output is its output alone."""
+    committed this step)`` and fills each request's stats. Each row's output is its output alone
+    (in bfloat16, up to near-ties that a forward over several rows rounds apart)."""
     checked = [check(runner, request) for request in requests]
     return _many(runner, checked)
 
