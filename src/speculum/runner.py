@@ -284,11 +284,19 @@ class ModelRunner:
         )
         if self.split_head and (hidden or self.lazy_head):
             states = self.model.model(**inputs).last_hidden_state
+            # the rows whose logits are wanted whole go through the LM head in one matrix product: a
+            # product per row read the whole head once per row (Qwen 1.5B's 233M weights, 10 rows: a
+            # fifth of a plain batched step)
+            eager = [r for r, tree in enumerate(trees) if not (self.lazy_head and len(tree) > 1)]
+            heads: dict[int, torch.Tensor] = {}
+            if eager:
+                flat = self._head(torch.cat([states[r, : len(trees[r])] for r in eager]))
+                for r, part in zip(eager, flat.split([len(trees[r]) for r in eager]), strict=True):
+                    heads[r] = part
             outputs = []
             for r, tree in enumerate(trees):
                 rows_states = states[r, : len(tree)]
-                lazy = self.lazy_head and len(tree) > 1
-                logits = LazyLogits(rows_states, self._head) if lazy else self._head(rows_states)
+                logits = heads[r] if r in heads else LazyLogits(rows_states, self._head)
                 outputs.append(StepOutput(logits, rows_states if hidden else None))
             return outputs
         out = self.model(**inputs, output_hidden_states=hidden)
