@@ -173,6 +173,8 @@ class AutoDrafter(Drafter):
                 if explicit:
                     raise InvalidInputError(f"auto: {name} needs a draft model: load(..., draft=...)")
                 continue
+            if name == "ctc" and any(p.name == "medusa" for p in self.parts) and not explicit:
+                continue  # one kind of heads is enough by default (Medusa's trees were accepted further)
             config = _sub_config(name, options)
             try:
                 drafter = config.drafter_class()(config.options(), resources)
@@ -181,8 +183,6 @@ class AutoDrafter(Drafter):
                     raise InvalidInputError(f"auto: {name}: {exc}") from None
                 skipped.append(name)
                 continue
-            if name == "ctc" and any(p.name == "medusa" for p in self.parts) and not explicit:
-                continue  # one kind of heads is enough by default (Medusa's trees were accepted further)
             self.parts.append(_Part(name, drafter))
         if not self.parts:
             raise InvalidInputError("auto: no drafter is available for this model")

@@ -22,7 +22,7 @@ import torch
 from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
 from speculum.drafters.ctc import ctc_collapse, cut_at_eos
 from speculum.errors import InvalidInputError
-from speculum.heads import resolve_draft_head
+from speculum.heads import shared_draft_head
 from speculum.heads.medusa import sparse_tree
 
 DEFAULT_TREE_NODES = 16
@@ -56,8 +56,7 @@ class MedusaDrafter(HeadDrafter):
 
     def __init__(self, options: Options, resources: Resources):
         self.options = options
-        self.heads = resolve_draft_head("medusa", options.heads, resources.target).to(resources.device)
-        self.heads.projection.for_inference()
+        self.heads = shared_draft_head("medusa", options.heads, resources)
         inference = self.heads.checkpoint_config.get("inference", {})
         if options.tree_choices is not None:
             choices = [tuple(c) for c in options.tree_choices]
