@@ -19,13 +19,25 @@ uses one::
     python benchmarks/batch_throughput.py gemma-3-270m --dtype float32 --batches 1,4,16 \\
         --methods autoregressive,prompt_lookup,anpd --max-new-tokens 128
 
+``--fresh`` runs every (batch, method) in a process of its own, as a user's first
+``spec.generate([...])`` runs: nothing learned by an earlier batch (the controller's verdicts,
+``auto``'s gates) helps a later one. Only the named methods run then (no peers, no single-request
+outputs: rows are compared with batched ``autoregressive``'s, the first method). ``--ids`` picks
+prompts by their dataset id, e.g. held-out MT-bench questions::
+
+    python benchmarks/batch_throughput.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --fresh \\
+        --datasets mt_bench --per-set 80 --ids 101,102,111,112,131,132,141,142,151,152 \\
+        --batches 1,4,10 --methods autoregressive,auto --groups 1 --max-new-tokens 128
+
 Prints a markdown table with a machine/date/command header (and writes it to ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,16 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="also write the table here")
+    ap.add_argument("--ids", default=None, help="comma-separated prompt ids to keep (e.g. MT-bench question ids)")
+    ap.add_argument("--fresh", action="store_true", help="each (batch, method) in a fresh process (see above)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (--fresh's worker: a JSON job)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.fresh:
+        return fresh_main(args, argv)
 
     import speculum
 
     spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype)
-    sets = load_datasets(args.datasets, args.per_set)
-    chat = bool(getattr(spec.tokenizer, "chat_template", None))
-    pool = [spec.encode_prompt(p.render(chat and p.chat_default)) for ps in sets.values() for p in ps]
+    pool = prompt_pool(spec, args)
+    if args.child is not None:
+        return child(spec, pool, json.loads(args.child))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     batches = [int(b) for b in args.batches.split(",")]
     n = args.max_new_tokens
@@ -174,6 +191,109 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             gap = logit_gap(spec, pool[i] + single_out[:at], single_out[at], batched_out[at])
             lines.append(f"| {batch} | `{method}` | {i} | {at} | {gap:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def prompt_pool(spec, args) -> list[list[int]]:
+    """The prompts' token ids (only those of ``--ids`` when given, in the sets' order)."""
+    sets = load_datasets(args.datasets, args.per_set)
+    chat = bool(getattr(spec.tokenizer, "chat_template", None))
+    wanted = None if args.ids is None else {i.strip() for i in args.ids.split(",") if i.strip()}
+    prompts = [p for ps in sets.values() for p in ps if wanted is None or str(p.question_id) in wanted]
+    if not prompts:
+        raise SystemExit("no prompt matches --ids")
+    return [spec.encode_prompt(p.render(chat and p.chat_default)) for p in prompts]
+
+
+def child(spec, pool: list[list[int]], job: dict) -> int:
+    """One timed batch in this fresh process (after a plain warm-up of two short rows, which teaches
+    no method anything but warms the kernels, and the cost model read from its disk cache, which
+    a machine measures once); prints its result as one JSON line."""
+    spec.generate(pool[:2], "autoregressive", max_new_tokens=8)
+    spec.cost_model  # noqa: B018 - read (or, the first time on this machine, measured) before timing
+    prompts = [pool[i] for i in job["index"]]
+    start = time.perf_counter()
+    results = spec.generate(prompts, job["method"], max_new_tokens=job["max_new_tokens"])
+    seconds = time.perf_counter() - start
+    stats = [r.stats for r in results]
+    accepted_by: dict[str, int] = {}
+    for s in stats:
+        for by, n in s.accepted_by.items():
+            accepted_by[by] = accepted_by.get(by, 0) + n
+    print("RESULT " + json.dumps({
+        "outputs": [r.token_ids for r in results], "seconds": seconds,
+        "rounds_drafted": sum(s.rounds_drafted for s in stats), "rounds_plain": sum(s.rounds_plain for s in stats),
+        "draft_seconds": max(s.time_draft for s in stats),
+        "catch_up_seconds": max(s.time_draft_catch_up for s in stats),
+        "verify_seconds": max(s.time_verify for s in stats), "mean_tree": sum(sum(s.draft_sizes) for s in stats)
+        / max(1, sum(len(s.draft_sizes) for s in stats)), "accepted_by": accepted_by,
+    }))  # fmt: skip
+    return 0
+
+
+def fresh_main(args, argv: list[str] | None) -> int:
+    """``--fresh``: every (group, method) a child process of this script; methods interleaved per group."""
+    given = argv if argv is not None else sys.argv[1:]
+    base = [a for a in given if a != "--fresh"]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    batches = [int(b) for b in args.batches.split(",")]
+    pool_size = len(args.ids.split(",")) if args.ids else None
+    totals: dict[tuple[int, str], list[float]] = {}  # (B, method) -> [tokens, seconds, identical, rows]
+    offset = 0
+    for batch in batches:
+        for group in range(args.groups):
+            size = pool_size or batch * args.groups
+            index = [(offset + group * batch + r) % size for r in range(batch)]
+            reference = None
+            for method in methods:
+                job = {"index": index, "method": method, "max_new_tokens": args.max_new_tokens}
+                cmd = [sys.executable, __file__, *base, "--child", json.dumps(job)]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    sys.stderr.write(done.stderr[-4000:])
+                    raise SystemExit(f"{method} at B={batch} failed (exit {done.returncode})")
+                line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+                result = json.loads(line[len("RESULT ") :])
+                outputs = result["outputs"]
+                reference = outputs if reference is None else reference
+                same = sum(a == b for a, b in zip(outputs, reference, strict=True))
+                t = totals.setdefault((batch, method), [0.0, 0.0, 0, 0])
+                t[0] += sum(len(o) for o in outputs)
+                t[1] += result["seconds"]
+                t[2] += same
+                t[3] += batch
+                rate = sum(len(o) for o in outputs) / result["seconds"]
+                print(f"B={batch} group {group} {method}: {rate:.1f} tok/s, {same}/{batch} as {methods[0]}, "
+                      f"rounds drafted/plain {result['rounds_drafted']}/{result['rounds_plain']}, "
+                      f"draft {result['draft_seconds']:.1f} s (catch-up {result['catch_up_seconds']:.1f}), "
+                      f"verify {result['verify_seconds']:.1f} s, tree {result['mean_tree']:.1f}, "
+                      f"accepted by {result['accepted_by']}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        offset += args.groups * batch
+    mach = machine_info()
+    lines = [
+        "# batched decoding throughput, each batch in a fresh process",
+        "",
+        f"- command: `{shlex.join(['python', 'benchmarks/batch_throughput.py', *given])}`",
+        f"- date: {now_iso()}",
+        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
+        f"transformers {mach.get('transformers')}",
+        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f", dtype {args.dtype}; "
+        f"{args.groups} batch(es) per B; greedy, up to {args.max_new_tokens} new tokens, stopping at EOS",
+        f"- tokens/s is the aggregate over the batch's rows; identical: rows equal to batched `{methods[0]}`'s",
+        "",
+        f"| B | method | tokens/s | × `{methods[0]}` | identical |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for batch in batches:
+        first = totals[(batch, methods[0])][0] / totals[(batch, methods[0])][1]
+        for m in methods:
+            tok, sec, same, rows = totals[(batch, m)]
+            lines.append(f"| {batch} | `{m}` | {tok / sec:.1f} | {tok / sec / first:.2f}× | {int(same)}/{int(rows)} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

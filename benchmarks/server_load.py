@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dataset", default="humaneval,gsm8k")
     parser.add_argument("--limit", type=int, default=16, help="Prompts per dataset.")
+    parser.add_argument("--ids", help="Only these prompt ids, comma-separated (e.g. held-out MT-bench questions).")
     parser.add_argument("--warmup", type=int, default=2, help="Requests per method before timing.")
     parser.add_argument("--rss", default="", help="Measure the server's RSS after these request counts, e.g. 10,1000.")
     parser.add_argument("--rss-max-tokens", type=int, default=32)
@@ -274,7 +275,11 @@ def main() -> None:
         card = httpx.get(url + "/v1/models", headers=auth_headers()).json()["data"][0]
         # as `speculum bench`: each set's own default (chat or plain), chat only where the model has a template
         datasets = load_datasets(args.dataset, args.limit).values()
-        prompts = [p.render(p.chat_default and card.get("chat_template", False)) for ps in datasets for p in ps]
+        wanted = None if args.ids is None else {i.strip() for i in args.ids.split(",") if i.strip()}
+        prompts = [p.render(p.chat_default and card.get("chat_template", False))
+                   for ps in datasets for p in ps if wanted is None or str(p.question_id) in wanted]  # fmt: skip
+        if not prompts:
+            raise SystemExit("no prompt matches --ids")
         lines = [
             f"`speculum serve` load, {now_iso()}: {args.model}, {args.dataset} ({len(prompts)} prompts), "
             f"{args.max_tokens} tokens, {args.requests} requests per row; {machine_info().get('cpu', '?')}",
