@@ -272,7 +272,9 @@ def test_a_sampled_round_that_runs_the_draft_model_verifies_its_draft_alone():
     twin.options, twin._gates, twin.groups = Options(), drafter._gates, drafter.groups
     twin.parts = [_Part(name, _Fixed(Draft(tokens, [-1]))) for name, tokens in parts.items()]
     drafter.gate(2, "draft model")._skip = 0
-    greedy = SimpleNamespace(rows=2, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams(), cost=None)
+    greedy = SimpleNamespace(
+        rows=2, tokens=[1] * 30, prompt_length=20, max_depth=8, sampling=SamplingParams(), cost=None
+    )
     rows = AutoDrafter.propose_rows([drafter, twin], [SimpleNamespace(**{**vars(ctx), "rows": 2}), greedy])
     assert [d.tokens for d in rows] == [[5], [5, 7, 6]]
 
@@ -393,9 +395,9 @@ def test_the_model_gate_judges_the_draft_model_without_its_prefill():
     gate = drafter.gate(1, "draft model")
     judged = []  # the seconds of each round the gate was told of
     record = gate.record
-    gate.record = lambda used, tokens, seconds, without=None: (
+    gate.record = lambda used, tokens, seconds, *rest: (
         judged.append(seconds),
-        record(used, tokens, seconds, without),
+        record(used, tokens, seconds, *rest),
     )
     stats = Stats()
     controller = Controller(CostModel([(1, 0.01), (4, 0.012), (16, 0.03)]))

@@ -39,7 +39,7 @@ import torch
 
 from speculum.controller import by_batch_size
 from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
-from speculum.drafters.model_gate import BatchRound, ModelGate
+from speculum.drafters.model_gate import PRIOR_ACCEPTANCE, PRIOR_HEADS_GAIN, BatchRound, ModelGate
 from speculum.errors import InvalidInputError, SpeculumError
 
 __all__ = ["AutoDrafter", "ModelGate", "Options"]
@@ -60,6 +60,10 @@ DRAFT_MODEL_PARTS = ("draft_model", "ouroboros")
 # is left of p: 7 of 142 accepted tokens, issue #18), while greedy both add
 GATE_GROUPS = {"draft_model": "draft model", "ouroboros": "draft model", "medusa": "heads", "ctc": "heads"}
 DRAFT_MODEL_GROUP = GATE_GROUPS["draft_model"]
+# a batch's catch-up (every row's backlog side by side, padded to the longest, under a tree mask)
+# per padded token against a lone prefill's, until the draft's clock has timed one: 7-8 rows of
+# chat prompts on the Qwen pair took 2-6 s, about three times the lone rate
+BATCH_CATCH_UP_PRIOR = 3.0
 
 
 @dataclass
@@ -313,10 +317,10 @@ class AutoDrafter(Drafter):
         gates = {group: drafters[0].gate(ctxs[0].rows, group) for group in drafters[0].groups}
         used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
         # draft model runs for all of them or none
-        model_gate = gates.get(DRAFT_MODEL_GROUP)
-        if used.get(DRAFT_MODEL_GROUP) and not model_gate.measured:
-            batch = drafters[0]._batch_round(drafters, ctxs)
-            used[DRAFT_MODEL_GROUP] = batch is None or model_gate.predicts_paying(batch)
+        for group, gate in gates.items():  # where a group has not run at this batch size: predicted
+            if used[group] and not gate.measured:
+                batch = drafters[0]._batch_round(group, drafters, ctxs)
+                used[group] = batch is None or gate.predicts_paying(batch)
         for drafter, ctx in zip(drafters, ctxs, strict=True):
             drafter._decide(gates, used, not ctx.sampling.greedy)
         for k in range(len(drafters[0].parts)):
@@ -337,17 +341,23 @@ class AutoDrafter(Drafter):
     def _draft_model_forwards(self) -> int:
         return sum(p.drafter.forwards for p in self.parts if p.name in DRAFT_MODEL_PARTS)
 
-    def _batch_round(self, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> BatchRound | None:
-        """The batch step the draft model would run in, for its gate's prediction (None without a
-        cost model: no controller). A draft forward's cost is the clock's at that many rows where
-        it has run, else scaled from where it has by the target's curve, else the target's scaled
-        by the models' sizes; catching up costs the clock's seconds per token (or the target's
-        prefill rate, scaled), for every token the rows' draft caches lack."""
+    def _batch_round(self, group: str, drafters: list[AutoDrafter], ctxs: list[DraftContext]) -> BatchRound | None:
+        """The batch step ``group`` would run in, for its gate's prediction (None without a cost
+        model: no controller). Heads draft row by row, as alone. A draft model's forward costs the
+        clock's at that many rows where it has run, else scaled from where it has by the target's
+        curve, else the target's scaled by the models' sizes; catching up costs the clock's seconds
+        per token (or the target's prefill rate, scaled), for every token the rows' caches lack."""
         cost = ctxs[0].cost
-        part = next((p.drafter for p in self.parts if p.name in DRAFT_MODEL_PARTS), None)
-        if cost is None or part is None:
+        if cost is None:
             return None
-        own = len(drafters)
+        own, alone = len(drafters), self.gate(1, group)
+        left = sum(
+            alone.catch_up_rule.likely_left(len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1) for ctx in ctxs
+        )
+        rows = max(ctxs[0].rows, own)
+        if group != DRAFT_MODEL_GROUP:
+            return BatchRound(cost, rows, own, own * alone.shape.drafting, 0.0, left, PRIOR_HEADS_GAIN)
+        part = next(p.drafter for p in self.parts if p.name in DRAFT_MODEL_PARTS)
         steps = part.clock.step
         if own in steps:
             step = steps[own]
@@ -356,17 +366,21 @@ class AutoDrafter(Drafter):
             step = steps[near] * cost.batch(own, 1) / cost.batch(near, 1)
         else:
             step = cost.batch(own, 1) * self._draft_size
-        per_token = part.clock.per_token
+        per_token = part.clock.per_padded_token
         if per_token is None:
-            per_token = cost.base(64) / 64 * self._draft_size
+            alone_rate = part.clock.per_token
+            if alone_rate is None:
+                alone_rate = cost.base(64) / 64 * self._draft_size
+            per_token = BATCH_CATCH_UP_PRIOR * alone_rate
+        # the rows' catch-ups run side by side, each padded to the longest
         backlog = 0
-        left = 0.0
-        alone = self.gate(1, DRAFT_MODEL_GROUP)
         for drafter, ctx in zip(drafters, ctxs, strict=True):
             model = next(p.drafter for p in drafter.parts if p.name in DRAFT_MODEL_PARTS)
-            backlog += model.state.backlog(ctx.tokens) + 1
-            left += alone.catch_up_rule.likely_left(len(ctx.tokens) - ctx.prompt_length, ctx.max_depth + 1)
-        return BatchRound(cost, max(ctxs[0].rows, own), own, step, backlog * per_token, left)
+            backlog = max(backlog, model.state.backlog(ctx.tokens) + 1)
+        backlog *= own
+        gain = sum(PRIOR_ACCEPTANCE**k for k in range(1, round(alone.shape.forwards) + 1))
+        forwards = alone.shape.largest_forwards(own)  # the batch drafts until its longest chain ends
+        return BatchRound(cost, rows, own, forwards * step, backlog * per_token, left, gain)
 
     @property
     def _merge_order(self) -> list[_Part]:
@@ -423,18 +437,22 @@ class AutoDrafter(Drafter):
             # either way without catching up (``Drafter.catch_up_seconds``)
             seconds = outcome.stats.get("row_seconds", time.perf_counter() - self._round_start - self.catch_up_seconds)
             tokens = len(outcome.accepted) + 1
+            catch_up = self.catch_up_seconds if "row_seconds" in outcome.stats else 0.0  # (alone: CatchUpRule's)
             for group, gate in self._deciding.items():
                 used = self._used[group]
-                gate.record(used, tokens, seconds, self._without({group}, outcome, seconds) if used else None)
+                without = self._without({group}, outcome, seconds) if used else None
+                gate.record(used, tokens, seconds, without, catch_up if used and group == DRAFT_MODEL_GROUP else 0.0)
             # alone, the round as it would have gone without every costly group that ran: the
             # controller judges asking by the better of the two, so heads that their gate is about
             # to turn off do not take the n-gram drafters' rounds down with them (issue #18: auto
             # took plain steps in 77% of GSM8K's rounds at T=1 on Gemma, where anpd alone took 2%)
             ran = {group for group in self._deciding if self._used[group]}
-            if DRAFT_MODEL_GROUP in ran and "row_seconds" not in outcome.stats:  # what its rounds look like alone
-                without = self._verified_without({DRAFT_MODEL_GROUP}, outcome)
-                forwards = self._draft_model_forwards() - self._model_forwards
-                self.gate(1, DRAFT_MODEL_GROUP).shape.add(forwards, outcome.drafted + 1, without + 1)
+            if "row_seconds" not in outcome.stats:  # alone: what a round of each group that ran looks like
+                for group in ran:
+                    without = self._verified_without({group}, outcome)
+                    forwards = self._draft_model_forwards() - self._model_forwards if group == DRAFT_MODEL_GROUP else 0
+                    shape = self.gate(1, group).shape
+                    shape.add(forwards, self._drafting.get(group, 0.0), outcome.drafted + 1, without + 1)
             if ran and "row_seconds" not in outcome.stats:
                 lean = self._without(ran, outcome, seconds)
                 if lean is not None:  # (tokens, seconds saved, the other drafters' nodes verified)

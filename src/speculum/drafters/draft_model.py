@@ -142,6 +142,8 @@ class CatchUpClock:
     def __init__(self) -> None:
         self.step: dict[int, float] = {}  # rows -> seconds of a one-token-per-row forward
         self.per_token: float | None = None  # seconds per token of a long catch-up, alone (a moving average)
+        # the same in a batch, per token of the rows' catch-ups padded to the longest (side by side)
+        self.per_padded_token: float | None = None
 
     def estimate(self, backlog: int) -> float:
         """Seconds a lone catch-up of ``backlog`` tokens beyond the round's root costs (0 before any
@@ -163,6 +165,9 @@ class CatchUpClock:
         if rows == 1 and backlog >= self.PER_TOKEN_BACKLOG:
             rate, known = excess / backlog, self.per_token
             self.per_token = rate if known is None else known + self.SMOOTHING * (rate - known)
+        elif rows > 1 and max(fed) - 1 >= self.PER_TOKEN_BACKLOG:
+            rate, known = excess / (rows * (max(fed) - 1)), self.per_padded_token
+            self.per_padded_token = rate if known is None else known + self.SMOOTHING * (rate - known)
 
 
 def catch_up_clock(resources: Resources, model: torch.nn.Module, kind: str = "draft_model") -> CatchUpClock:

@@ -5,36 +5,64 @@ where the group has not run yet, predicted by the target's cost model."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from speculum.controller import LONG_SMOOTHING, Backoff, CatchUpRule, Goodput
 from speculum.costs import CostModel
 
-__all__ = ["BatchRound", "ModelGate", "RoundShape"]
+__all__ = ["PRIOR_ACCEPTANCE", "PRIOR_HEADS_GAIN", "BatchRound", "ModelGate", "RoundShape"]
 
-# What a batch's prediction assumes before rounds decoded alone say: a draft token's chance of
-# acceptance once its parent was accepted (a geometric chain), and the draft forwards of a round
+# What a batch's prediction assumes before rounds decoded alone say: a draft model's token's chance
+# of acceptance once its parent was accepted (a geometric chain), its draft forwards a round, and
+# the tokens heads add to a round
 PRIOR_ACCEPTANCE = 0.7
 PRIOR_FORWARDS = 4.0
-SHAPE_SMOOTHING = 0.1  # weight of a round in RoundShape's averages (after the first ten)
+PRIOR_HEADS_GAIN = 0.5 + 0.25 + 0.125
+SHAPE_SMOOTHING = 0.1
+# a prediction must say the group wins by this share: running it wrongly costs the rows' catch-up
+# and a step or more, not running it wrongly a few percent
+PREDICTION_MARGIN = 0.15  # weight of a round in RoundShape's averages (after the first ten)
 
 
 @dataclass
 class RoundShape:
-    """What a round that ran the group looks like alone (moving averages): its draft forwards, the
-    nodes it verified, and the nodes the other drafters had verified without the group."""
+    """What a round that ran the group looks like alone (moving averages): its draft forwards (a
+    draft model's), its drafting's seconds, the nodes it verified, and the nodes the other drafters
+    had verified without the group."""
 
     forwards: float = PRIOR_FORWARDS
+    drafting: float = 0.0
     nodes_with: float = PRIOR_FORWARDS + 2.0
     nodes_without: float = 2.0
     rounds: int = 0
+    # second moments of forwards and nodes_with: a batch runs as many draft forwards as its longest
+    # chain takes and pads every row's tree to the largest, so what counts there is the largest of B
+    forwards_sq: float = PRIOR_FORWARDS**2
+    nodes_with_sq: float = (PRIOR_FORWARDS + 2.0) ** 2
 
-    def add(self, forwards: float, nodes_with: float, nodes_without: float) -> None:
+    def add(self, forwards: float, drafting: float, nodes_with: float, nodes_without: float) -> None:
         self.rounds += 1
         weight = max(1.0 / self.rounds, SHAPE_SMOOTHING)
         self.forwards += weight * (forwards - self.forwards)
+        self.forwards_sq += weight * (forwards**2 - self.forwards_sq)
+        self.drafting += weight * (drafting - self.drafting)
         self.nodes_with += weight * (nodes_with - self.nodes_with)
+        self.nodes_with_sq += weight * (nodes_with**2 - self.nodes_with_sq)
         self.nodes_without += weight * (nodes_without - self.nodes_without)
+
+    def largest_forwards(self, rows: int) -> float:
+        """About the most draft forwards of ``rows`` rounds (mean + sd * sqrt(2 ln rows))."""
+        return _largest(self.forwards, self.forwards_sq, rows)
+
+    def largest_nodes_with(self, rows: int) -> float:
+        """About the largest tree of ``rows`` rounds that run the group."""
+        return _largest(self.nodes_with, self.nodes_with_sq, rows)
+
+
+def _largest(mean: float, mean_sq: float, rows: int) -> float:
+    spread = math.sqrt(max(mean_sq - mean * mean, 0.0))
+    return mean + spread * math.sqrt(2.0 * math.log(rows)) if rows > 1 else mean
 
 
 @dataclass
@@ -44,9 +72,10 @@ class BatchRound:
     cost: CostModel  # the target's
     rows: int  # rows of the target's forward
     own_rows: int  # of them, the rows this gate decides for
-    draft_step: float  # seconds of one draft forward of a token for each of own_rows
+    drafting: float  # seconds the group's drafting adds to a step for the own rows
     catch_up: float  # seconds the own rows' catching up would take first
     tokens_left: float  # tokens the own rows likely have left, together
+    prior_gain: float  # tokens the group adds to a row's round before rounds decoded alone say
 
 
 class ModelGate:
@@ -123,14 +152,14 @@ class ModelGate:
             with_tokens, without_tokens = self.with_model_long.tokens, self.without_model_long.tokens
         else:
             without_tokens = 1.0
-            with_tokens = without_tokens + sum(PRIOR_ACCEPTANCE**k for k in range(1, round(shape.forwards) + 1))
+            with_tokens = without_tokens + batch.prior_gain
         others = rows - own  # rows of other configurations: a plain token each
-        step_with = shape.forwards * batch.draft_step + cost.batch(rows, max(1, round(shape.nodes_with)))
+        step_with = batch.drafting + cost.batch(rows, max(1, round(shape.largest_nodes_with(rows))))
         step_without = cost.batch(rows, max(1, round(shape.nodes_without)))
         per_token_with = step_with / (own * with_tokens + others)
         per_token_without = step_without / (own * without_tokens + others)
         tokens = batch.tokens_left + others * batch.tokens_left / own
-        return tokens * per_token_with + batch.catch_up < tokens * per_token_without / (1.0 + self.margin)
+        return tokens * per_token_with + batch.catch_up < tokens * per_token_without / (1.0 + PREDICTION_MARGIN)
 
     def use(self) -> bool:
         self._fold()
@@ -141,14 +170,24 @@ class ModelGate:
         self._refreshing = False
         return True
 
-    def record(self, used: bool, tokens: int, seconds: float, without: tuple[float, float] | None = None) -> None:
+    def record(
+        self,
+        used: bool,
+        tokens: int,
+        seconds: float,
+        without: tuple[float, float] | None = None,
+        catch_up: float = 0.0,
+    ) -> None:
         """One row's part of the round decided last (learned from at the next decision);
         ``without``: for a round that ran the group, (tokens, seconds) the round would have given
-        without it (see the class docstring)."""
-        pending = self._pending.setdefault(used, [0.0, 0.0, 0, 0.0, 0.0, 0])
+        without it (see the class docstring); ``catch_up``: in a batch, the row's share of the
+        group's catching up, which the round is not judged by but a probe's loss counts (it is
+        what trying the group again costs the batch)."""
+        pending = self._pending.setdefault(used, [0.0, 0.0, 0, 0.0, 0.0, 0, 0.0])
         pending[0] += tokens
         pending[1] += seconds
         pending[2] += 1
+        pending[6] += catch_up
         if used and without is not None:
             pending[3] += without[0]
             pending[4] += without[1]
@@ -156,12 +195,18 @@ class ModelGate:
 
     def _fold(self) -> None:
         pending, self._pending = self._pending, {}
-        for used, (tokens, seconds, rows, tokens_without, seconds_without, paired) in pending.items():
+        for used, (tokens, seconds, rows, tokens_without, seconds_without, paired, catch_up) in pending.items():
             without = (tokens_without / paired, seconds_without / paired, paired) if paired else None
-            self._learn(used, tokens / rows, seconds / rows, rows, without)
+            self._learn(used, tokens / rows, seconds / rows, rows, without, catch_up / rows)
 
     def _learn(
-        self, used: bool, tokens: float, seconds: float, rows: int, without: tuple[float, float, int] | None
+        self,
+        used: bool,
+        tokens: float,
+        seconds: float,
+        rows: int,
+        without: tuple[float, float, int] | None,
+        catch_up: float = 0.0,
     ) -> None:
         if not used:
             self.without_model.add(tokens, seconds, rows=rows)
@@ -176,7 +221,7 @@ class ModelGate:
         self.with_model_long.add(tokens, seconds, rows=rows)
         cheap = self.without_model.rate
         if cheap is not None:  # rounds without the model this one round lost, per row
-            self.backoff.note(seconds * cheap - tokens, self._probe, self.with_model.min_evidence)
+            self.backoff.note((seconds + catch_up) * cheap - tokens, self._probe, self.with_model.min_evidence)
         self._probe = False
         if not self.with_model.judged:
             return
