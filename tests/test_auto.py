@@ -464,3 +464,24 @@ def test_a_lean_round_counts_the_cheap_drafters_nodes_verified_not_proposed(monk
     lean_rounds = [lean for size, lean in heard if lean is not None]
     assert lean_rounds and all(size == 1 for size, _ in heard)
     assert all(nodes == 0 for _, _, nodes in lean_rounds)
+
+
+def test_a_measured_batch_runs_the_draft_model_only_where_its_saving_pays_the_catch_up():
+    """At a batch size where the draft model has run, it runs again only where what it saves per
+    token there, over the tokens the rows likely have left, pays for the rows' catch-up (in a server
+    rows keep joining with a whole prompt for the draft to catch up)."""
+    from speculum.drafters.model_gate import BatchRound
+
+    gate = ModelGate()
+    gate.with_model.add(4.0, 0.2, rows=4)  # 20 tokens/s with it
+    gate.without_model.add(1.0, 0.1, rows=4)  # 10 tokens/s without: it saves 0.05 s a token
+    cost = CostModel([(1, 0.01), (64, 0.011)])
+
+    def batch(catch_up, left):
+        return BatchRound(cost, 4, 4, 0.01, catch_up, left, 1.0)
+
+    assert gate.catch_up_pays(batch(0.0, 10))
+    assert gate.catch_up_pays(batch(0.9, 20))  # 1 s saved
+    assert not gate.catch_up_pays(batch(1.1, 20))
+    gate.with_model.add(1.0, 0.2, fresh=True, rows=4)  # now it loses: no catch-up is worth it
+    assert not gate.catch_up_pays(batch(0.01, 1000))

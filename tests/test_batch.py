@@ -503,7 +503,9 @@ def test_auto_runs_its_draft_model_in_a_fresh_batch_only_where_the_cost_model_sa
     config = speculum.SpeculativeConfig("auto")
     resources = speculum.drafters.base.Resources(target=model, draft_model=draft, vocab_size=VOCAB, model_key="t")
     drafters = [config.drafter_class()(config.options(), resources) for _ in PROMPTS]
-    drafters[0].parts[-1].drafter.clock.step[1] = 0.0005  # a draft forward timed alone: a twentieth of a step
+    clock = drafters[0].parts[-1].drafter.clock  # the draft's timings, as earlier requests left them:
+    clock.step[1] = 0.0005  # a draft forward alone, a twentieth of a step
+    clock.per_padded_token = 0.0001  # a batch's catch-up, per token
     configuration = Controller(cost)
     outputs, stats = run_rows(model, drafters, controllers=[configuration.for_row() for _ in PROMPTS])
     assert outputs == refs

@@ -317,10 +317,11 @@ class AutoDrafter(Drafter):
         gates = {group: drafters[0].gate(ctxs[0].rows, group) for group in drafters[0].groups}
         used = {group: gate.use() for group, gate in gates.items()}  # one decision for the rows: a
         # draft model runs for all of them or none
-        for group, gate in gates.items():  # where a group has not run at this batch size: predicted
-            if used[group] and not gate.measured:
+        for group, gate in gates.items():  # predicted where a group has not run at this batch size
+            if used[group]:
                 batch = drafters[0]._batch_round(group, drafters, ctxs)
-                used[group] = batch is None or gate.predicts_paying(batch)
+                if batch is not None:
+                    used[group] = gate.catch_up_pays(batch) if gate.measured else gate.predicts_paying(batch)
         for drafter, ctx in zip(drafters, ctxs, strict=True):
             drafter._decide(gates, used, not ctx.sampling.greedy)
         for k in range(len(drafters[0].parts)):

@@ -161,6 +161,19 @@ class ModelGate:
         tokens = batch.tokens_left + others * batch.tokens_left / own
         return tokens * per_token_with + batch.catch_up < tokens * per_token_without / (1.0 + PREDICTION_MARGIN)
 
+    def catch_up_pays(self, batch: BatchRound) -> bool:
+        """Once the group has run at this batch size (``measured``): whether what it saves there per
+        token, over the tokens the rows likely have left, pays for the catch-up it would start
+        with. Its rounds are judged without their catch-up, but in a server rows keep joining with
+        a whole prompt to catch up, which a batch pays side by side each time the group runs."""
+        if batch.catch_up <= 0.0:
+            return True
+        with_rate, without_rate = self.with_model.rate, self.without_model.rate
+        if with_rate is None or without_rate is None:
+            return True
+        saving = 1.0 / without_rate - 1.0 / with_rate  # seconds per token of the batch's output
+        return saving * batch.tokens_left > batch.catch_up
+
     def use(self) -> bool:
         self._fold()
         if self._skip > 0:
