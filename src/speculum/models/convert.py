@@ -20,17 +20,12 @@ from pathlib import Path
 import torch
 
 from speculum.errors import ModelLoadError, SpeculumError
+from speculum.machine import cache_dir
 from speculum.models.registry import PackagedModel, _chunk_paths
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 8 << 20
-
-
-def cache_dir() -> Path:
-    """Root of speculum's cache: ``$SPECULUM_CACHE`` or ``~/.cache/speculum``."""
-    env = os.environ.get("SPECULUM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "speculum"
 
 
 def _converted_dir(sha256: str) -> Path:
