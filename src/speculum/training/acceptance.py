@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from speculum.acceptance_head import AcceptanceHead, draft_fingerprint
+from speculum.drafters.draft_model import fit_width
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.poolfile import write_atomic
 from speculum.sampling import SamplingParams, warp
@@ -82,7 +83,7 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         # the draft over the text itself: its logits give each candidate, and the hidden state that
         # produced them is what an early head reads (the mixed sequence below is a different context)
         draft_out = draft(input_ids=inputs.to(draft.device), output_hidden_states=True)
-        draft_logits = _fit(draft_out.logits[0].float().cpu(), width)
+        draft_logits = fit_width(draft_out.logits[0].float().cpu(), width)
         producing_states = draft_out.hidden_states[-1][0].float().cpu()
         # position i's outputs predict token i + 1; response tokens are ids[start:]
         rows = torch.arange(max(start, 1) - 1, len(ids) - 1)
@@ -121,13 +122,6 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
         "candidate": torch.cat(candidates),
         "text": torch.cat(owners),
     }
-
-
-def _fit(logits: torch.Tensor, width: int) -> torch.Tensor:
-    if logits.shape[-1] >= width:
-        return logits[:, :width]
-    pad = logits.new_full((logits.shape[0], width - logits.shape[-1]), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
 
 
 def data_key(spec, texts: list[TrainingText], settings: DataSettings) -> str:
