@@ -22,24 +22,25 @@ provisional verdict is measured again only at or under ``REST_SHARE`` (0.25): th
 hovering near one threshold from measuring at every start. Where there is no load average (Windows)
 every verdict is final, as before.
 
-This module imports nothing else of speculum: every module may use it.
+This module imports nothing else of speculum but the file writer of :mod:`speculum.poolfile` (a leaf
+too): every module may use it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from speculum.poolfile import write_atomic
 
 log = logging.getLogger("speculum")
 
@@ -280,24 +281,6 @@ def read_cached(path: Path, version: int, decode, what: str) -> tuple[Any, bool,
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         log.info("speculum: ignoring the %s cache file %s (%s); measuring again", what, path, error)
         return None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing (a reader never sees half a file); raises OSError."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a cache file gets the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def finite_positive(value: Any) -> bool:
