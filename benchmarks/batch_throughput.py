@@ -191,10 +191,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             gap = logit_gap(spec, pool[i] + single_out[:at], single_out[at], batched_out[at])
             lines.append(f"| {batch} | `{method}` | {i} | {at} | {gap:.3f} |")
+    return emit(lines, args.out)
+
+
+def emit(lines: list[str], out: str | None) -> int:
+    """Print the table (and write it to ``out``); the exit status."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
     return 0
 
 
@@ -293,11 +298,7 @@ def fresh_main(args, argv: list[str] | None) -> int:
         for m in methods:
             tok, sec, same, rows = totals[(batch, m)]
             lines.append(f"| {batch} | `{m}` | {tok / sec:.1f} | {tok / sec / first:.2f}× | {int(same)}/{int(rows)} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return emit(lines, args.out)
 
 
 if __name__ == "__main__":
