@@ -285,8 +285,7 @@ class ModelRunner:
         if self.split_head and (hidden or self.lazy_head):
             states = self.model.model(**inputs).last_hidden_state
             # the rows whose logits are wanted whole go through the LM head in one matrix product: a
-            # product per row read the whole head once per row (Qwen 1.5B's 233M weights, 10 rows: a
-            # fifth of a plain batched step)
+            # product per row reads the whole head once per row
             eager = [r for r, tree in enumerate(trees) if not (self.lazy_head and len(tree) > 1)]
             heads: dict[int, torch.Tensor] = {}
             if eager:

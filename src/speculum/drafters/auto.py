@@ -61,8 +61,8 @@ DRAFT_MODEL_PARTS = ("draft_model", "ouroboros")
 GATE_GROUPS = {"draft_model": "draft model", "ouroboros": "draft model", "medusa": "heads", "ctc": "heads"}
 DRAFT_MODEL_GROUP = GATE_GROUPS["draft_model"]
 # a batch's catch-up (every row's backlog side by side, padded to the longest, under a tree mask)
-# per padded token against a lone prefill's, until the draft's clock has timed one: 7-8 rows of
-# chat prompts on the Qwen pair took 2-6 s, about three times the lone rate
+# per padded token against a lone prefill's, until the draft's clock has timed one (measured in
+# BENCHMARKS.md, issue #69's section)
 BATCH_CATCH_UP_PRIOR = 3.0
 
 

@@ -88,9 +88,8 @@ class ModelGate:
     the round would have committed had only the other drafters' nodes been verified, and what it
     would have cost without the group's drafting and its nodes' share of the forward): paired,
     so a burst of n-gram copies lifts both sides alike. Comparing rounds with the heads against
-    other rounds without them let chance decide (issue #18: greedy n-gram rounds are too bursty
-    for the two averages to settle in a few rounds, and Gemma's Medusa heads ran where they cost
-    more than they brought). Without that estimate, one round in ``refresh`` goes without them,
+    other rounds without them lets chance decide: greedy n-gram rounds are too bursty for the two
+    averages to settle in a few rounds. Without that estimate, one round in ``refresh`` goes without them,
     to keep that side's measure fresh.
 
     A round is one decision (``use``) and what it gave (``record``), summed over the rows it was
@@ -102,8 +101,8 @@ class ModelGate:
         self.margin = margin  # they must beat rounds without them by this share (see Controller.margin)
         self.with_model, self.without_model = Goodput(), Goodput()
         # the same rounds over a longer memory, never restarted, for the catch-up rule: the gate stops
-        # the group right after a window of rounds that lost, and a rule reading that very window kept
-        # the draft model off for whole requests at T=1 (issue #18, twenty-fifth pass)
+        # the group right after a window of rounds that lost, and a rule reading that very window
+        # would keep the draft model off for whole requests
         self.with_model_long, self.without_model_long = Goodput(LONG_SMOOTHING), Goodput(LONG_SMOOTHING)
         self.backoff = Backoff(max_backoff, exploration)  # its losses: rounds without the model each lost
         self._skip, self._probe = 0, False
@@ -144,9 +143,8 @@ class ModelGate:
         """Before the group has run at this batch size (``measured``): whether running it pays for
         ``batch``'s rows by the target's cost model, on what this gate learned of the group's
         rounds alone (``shape``, and their tokens once judged; priors before), the catch-up it
-        would start with included. In a batch a draft forward and every verified node cost real
-        compute: on a CPU a draft model that pays alone lost half of plain decoding's throughput
-        over 10 rows, its prompts' catch-up alone costing ~25 plain steps."""
+        would start with included: in a batch a draft forward, every verified node and the rows'
+        catch-up cost real compute, so a group that pays alone may not pay beside other rows."""
         shape, cost, rows, own = self.shape, batch.cost, batch.rows, batch.own_rows
         if self.with_model_long.judged and self.without_model_long.tokens is not None:
             with_tokens, without_tokens = self.with_model_long.tokens, self.without_model_long.tokens

@@ -112,8 +112,8 @@ def resolve_draft_head(kind: str, path: str | os.PathLike[str] | None, target: n
 def shared_draft_head(kind: str, path, resources) -> nn.Module:
     """The checkpoint of ``kind`` a drafter uses (``resolve_draft_head``), on the resources' device
     and readied for inference, loaded once per target and shared by every drafter of one
-    ``Speculum``: its weights are only read, and each row of a batch has a drafter (loading Qwen
-    1.5B's Medusa heads takes ~0.8 s, which ten rows paid ten times before their first token)."""
+    ``Speculum``: its weights are only read, and each row of a batch has a drafter, which would
+    otherwise load and ready its own copy before the batch's first token."""
     key = ("draft_head", kind, str(path), id(resources.target), str(resources.device))
     module = resources.shared.get(key)
     if module is None:
