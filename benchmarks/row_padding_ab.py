@@ -1,4 +1,4 @@
-"""What padding small forwards to 4 rows (``speculum.accel.choose_row_padding``) saves, end to end, in one run.
+"""What padding small forwards to 4 rows (``speculum.row_padding.choose_row_padding``) saves, end to end, in one run.
 
     python benchmarks/row_padding_ab.py [--model qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
         [--methods autoregressive,draft_model] [--sets mt_bench,wmt16] [--limit 3] [--temperature 1]
@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 
 import speculum
-from speculum import accel
+from speculum import accel, row_padding
 from speculum.api import Speculum
 from speculum.bench.datasets import load_datasets
 from speculum.bench.report import machine_info, now_iso
@@ -80,7 +80,7 @@ def main() -> None:
 
     def use(mode: str) -> Speculum:
         for model in models:
-            accel.set_min_rows(model, accel.PAD_ROWS if mode == "padded" else 1)
+            accel.set_min_rows(model, row_padding.PAD_ROWS if mode == "padded" else 1)
         return specs[mode]
 
     # which forwards cost what: the runner of each Speculum, timed by tree size
@@ -174,7 +174,7 @@ def time_forwards(model: str, rounds: int, sizes: tuple[int, ...] = (1, 2, 3, 4,
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for round_ in range(rounds + 1):  # the first round warms every shape up
         for mode in MODES if round_ % 2 else reversed(MODES):
-            accel.set_min_rows(spec.model, accel.PAD_ROWS if mode == "padded" else 1)
+            accel.set_min_rows(spec.model, row_padding.PAD_ROWS if mode == "padded" else 1)
             for n in sizes:
                 start = time.perf_counter()
                 runner.forward(cache, [ids[-1]] + ids[: n - 1]).logits[0].argmax()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from speculum.acceptance_head import BUNDLED, AcceptanceHead
+from speculum.heads.acceptance import BUNDLED, AcceptanceHead
 
 
 def main() -> None:

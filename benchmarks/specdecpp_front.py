@@ -40,11 +40,11 @@ from pathlib import Path
 import torch
 
 import speculum
-from speculum.acceptance_head import AcceptanceHead
 from speculum.bench.chains import Totals, draft_chains, simulate
 from speculum.bench.datasets import load_dataset, split_names
 from speculum.bench.report import machine_info, now_iso
 from speculum.costs import CostModel
+from speculum.heads.acceptance import AcceptanceHead
 from speculum.policies import make_policy
 from speculum.runner import ModelRunner
 from speculum.sampling import SamplingParams

@@ -8,7 +8,7 @@ import pytest
 # to the flag rule instead (deterministic, and nothing written to ~/.cache); test_dtype_choice tests
 # the measuring itself.
 os.environ.setdefault("SPECULUM_DTYPE_MEASURE", "0")
-# the same for padding small forwards (speculum.accel.choose_row_padding; test_accel tests it)
+# the same for padding small forwards (speculum.row_padding.choose_row_padding; test_accel tests it)
 os.environ.setdefault("SPECULUM_ROW_PADDING", "0")
 
 from tiny_models import tiny_model, word_tokenizer

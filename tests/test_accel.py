@@ -4,8 +4,7 @@ trip, and every method still lossless on them."""
 import pytest
 import torch
 
-from speculum import accel
-from speculum.models import dtypes
+from speculum import accel, machine, row_padding
 from speculum.runner import ModelRunner
 
 from helpers import build_drafter, generate_ids
@@ -60,11 +59,11 @@ def test_unpacked_keeps_a_layer_two_models_share_shared():
     assert draft.head is target.lm_head and isinstance(draft.head, accel.PackedLinear)
 
 
-native_bf16 = pytest.mark.skipif(not dtypes.cpu_has_fast_bf16(), reason="this CPU has no native bfloat16")
+native_bf16 = pytest.mark.skipif(not machine.cpu_has_fast_bf16(), reason="this CPU has no native bfloat16")
 
 
 def test_bfloat16_left_stock_where_the_cpu_emulates_it(monkeypatch):
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     assert accel.prepack(tiny_model("llama", dtype=torch.bfloat16)) == 0
     assert accel.prepack(tiny_model("llama")) > 0  # float32 still is
 
@@ -188,15 +187,15 @@ def fake_clock(monkeypatch, tmp_path):
     import speculum.costs
 
     clock = _Clock()
-    monkeypatch.setattr(accel.time, "perf_counter", clock)
-    monkeypatch.delenv(accel.PAD_ENV, raising=False)
+    monkeypatch.setattr(row_padding.time, "perf_counter", clock)
+    monkeypatch.delenv(row_padding.PAD_ENV, raising=False)
     monkeypatch.setattr(speculum.costs, "cache_dir", lambda: tmp_path)  # each test its own cache
     return clock
 
 
 def test_padding_is_chosen_where_it_measures_faster_and_cached(fake_clock):
     runner = _FakeRunner(lambda width, padded: 0.10 if padded else 0.13 + 0.02 * width, fake_clock)
-    choice = accel.choose_row_padding(runner)
+    choice = row_padding.choose_row_padding(runner)
     assert choice.rows == 4 and accel.min_rows(runner.model) == 4 and not choice.cached
     assert choice.ms == {"1": 150.0, "1 padded": 100.0, "2": 170.0, "2 padded": 100.0, "1 dense": 150.0,
                          "2 dense": 170.0}  # fmt: skip
@@ -204,23 +203,23 @@ def test_padding_is_chosen_where_it_measures_faster_and_cached(fake_clock):
     timed = runner.forwards
     again = _FakeRunner(lambda width, padded: 1.0, fake_clock)  # same machine key: read, not measured
     accel.set_min_rows(again.model, 1)
-    cached = accel.choose_row_padding(again)
+    cached = row_padding.choose_row_padding(again)
     assert cached.rows == 4 and cached.cached and again.forwards == 0 and timed > 0
     assert accel.min_rows(again.model) == 4
 
 
 def test_padding_is_left_off_where_it_does_not_pay_and_env_overrides(fake_clock, monkeypatch):
     runner = _FakeRunner(lambda width, padded: 0.099 if padded else 0.100, fake_clock)  # 1%: under the margin
-    choice = accel.choose_row_padding(runner)
+    choice = row_padding.choose_row_padding(runner)
     assert choice.rows == 1 and accel.min_rows(runner.model) == 1 and "no padding" in choice.describe()
-    monkeypatch.setenv(accel.PAD_ENV, "on")
-    assert accel.choose_row_padding(runner).rows == 4 and accel.min_rows(runner.model) == 4
-    monkeypatch.setenv(accel.PAD_ENV, "dense")
-    choice = accel.choose_row_padding(runner)
+    monkeypatch.setenv(row_padding.PAD_ENV, "on")
+    assert row_padding.choose_row_padding(runner).rows == 4 and accel.min_rows(runner.model) == 4
+    monkeypatch.setenv(row_padding.PAD_ENV, "dense")
+    choice = row_padding.choose_row_padding(runner)
     assert choice.dense_rows == 2 and accel.min_rows(runner.model) == 1 and accel.dense_rows(runner.model) == 2
-    monkeypatch.setenv(accel.PAD_ENV, "0")
+    monkeypatch.setenv(row_padding.PAD_ENV, "0")
     forwards = runner.forwards
-    assert accel.choose_row_padding(runner).rows == 1 and accel.min_rows(runner.model) == 1
+    assert row_padding.choose_row_padding(runner).rows == 1 and accel.min_rows(runner.model) == 1
     assert runner.forwards == forwards  # no override measures
     assert accel.dense_rows(runner.model) == 0
 
@@ -230,7 +229,7 @@ def test_the_stock_kernel_is_chosen_for_small_forwards_where_it_measures_faster(
     AVX-512 Xeon), those run on it over dense copies of the weights; wider forwards stay packed. No
     dense copies are kept where they would not fit in memory, or where they do not pay."""
     runner = _FakeRunner(lambda width, padded: 0.15, fake_clock, dense_cost=lambda width: 0.10)
-    choice = accel.choose_row_padding(runner)
+    choice = row_padding.choose_row_padding(runner)
     assert choice.dense_rows == accel.DENSE_ROWS == accel.dense_rows(runner.model) and choice.rows == 1
     assert "stock kernel" in choice.describe() and choice.ms["1 dense"] == 100.0
     layers = [m for m in runner.model.modules() if isinstance(m, accel.PackedLinear)]
@@ -238,15 +237,15 @@ def test_the_stock_kernel_is_chosen_for_small_forwards_where_it_measures_faster(
     assert machine_key_of(runner) != machine_key_of(runner, padding=False)
 
     slower = _FakeRunner(lambda width, padded: 0.10, fake_clock, dense_cost=lambda width: 0.15)
-    monkeypatch.setattr(accel, "_padding_path", lambda r: fake_clock_path(r, "slower"))
-    choice = accel.choose_row_padding(slower)
+    monkeypatch.setattr(row_padding, "_padding_path", lambda r: fake_clock_path(r, "slower"))
+    choice = row_padding.choose_row_padding(slower)
     assert choice.dense_rows == 0 and accel.dense_rows(slower.model) == 0 and "1 dense" in choice.ms
     assert all(m.dense_weight is None for m in slower.model.modules() if isinstance(m, accel.PackedLinear))
 
-    monkeypatch.setattr(accel, "DENSE_MEMORY_SHARE", 0.0)  # no room for the copies: not even measured
-    monkeypatch.setattr(accel, "_padding_path", lambda r: fake_clock_path(r, "no room"))
+    monkeypatch.setattr(row_padding, "DENSE_MEMORY_SHARE", 0.0)  # no room for the copies: not even measured
+    monkeypatch.setattr(row_padding, "_padding_path", lambda r: fake_clock_path(r, "no room"))
     cramped = _FakeRunner(lambda width, padded: 0.15, fake_clock, dense_cost=lambda width: 0.10)
-    choice = accel.choose_row_padding(cramped)
+    choice = row_padding.choose_row_padding(cramped)
     assert choice.dense_rows == 0 and "1 dense" not in choice.ms
 
 
@@ -300,10 +299,10 @@ def test_methods_stay_exact_with_dense_small_forwards():
 
 def test_an_unreadable_padding_cache_is_measured_again(fake_clock):
     runner = _FakeRunner(lambda width, padded: 0.10 if padded else 0.15, fake_clock)
-    path = accel._padding_path(runner)
+    path = row_padding._padding_path(runner)
     path.write_text("{not json")
-    assert accel.choose_row_padding(runner).rows == 4 and runner.forwards > 0
-    assert accel._read_padding(path)["1 padded"] == 100.0  # rewritten whole
+    assert row_padding.choose_row_padding(runner).rows == 4 and runner.forwards > 0
+    assert row_padding._read_padding(path)["1 padded"] == 100.0  # rewritten whole
 
 
 def test_padding_measurement_leaves_the_cost_key_apart():
@@ -322,9 +321,9 @@ def test_padding_measurement_leaves_the_cost_key_apart():
 def test_load_pads_as_measured_and_says_so(model_dir, monkeypatch):
     import speculum
 
-    monkeypatch.setenv(accel.PAD_ENV, "on")
+    monkeypatch.setenv(row_padding.PAD_ENV, "on")
     spec = speculum.load(model_dir)
     assert spec.row_padding.rows == 4 and accel.min_rows(spec.model) == 4
-    monkeypatch.setenv(accel.PAD_ENV, "off")
+    monkeypatch.setenv(row_padding.PAD_ENV, "off")
     spec = speculum.load(model_dir, prepack=False)
     assert spec.row_padding is None and accel.min_rows(spec.model) == 1

@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 import speculum
-from speculum.acceptance_head import AcceptanceHead
 from speculum.cli import app
 from speculum.errors import InvalidInputError
+from speculum.heads.acceptance import AcceptanceHead
 from speculum.sampling import SamplingParams, warp
 from speculum.training.acceptance import (
     DataSettings,

@@ -7,6 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 import speculum
+from speculum import machine
 from speculum.cli import app
 
 from tiny_models import VOCAB, tiny_model, word_tokenizer
@@ -67,7 +68,6 @@ def test_a_machine_class_setting_replaces_the_devices_for_its_methods_only(monke
     import torch
 
     from speculum.methods import MACHINE_DEFAULTS, machine_class, machine_defaults
-    from speculum.models import dtypes
 
     device = {"lookahead": {"window_size": 4, "ngram_size": 4}, "ctc": {"tree": "prefix"}}
     monkeypatch.setitem(MACHINE_DEFAULTS, "cpu", device)
@@ -84,7 +84,7 @@ def test_a_machine_class_setting_replaces_the_devices_for_its_methods_only(monke
     )
     for capability, bf16, klass, window, ngram in cases:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda b=bf16: b)
+        monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda b=bf16: b)
         assert machine_class("cpu") == klass
         options = speculum.SpeculativeConfig("lookahead").options("cpu")
         assert (options.window_size, options.ngram_size) == (window, ngram)

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from speculum.acceptance_head import AcceptanceHead, draft_hidden_size
 from speculum.bench.chains import draft_chains, simulate
+from speculum.heads.acceptance import AcceptanceHead, draft_hidden_size
 from speculum.policies import make_policy
 from speculum.sampling import SamplingParams
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from speculum import machine
 from speculum.drafters.ctc import best_alignments, ctc_collapse, cut_at_eos, prefix_search
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import load_draft_head
@@ -421,13 +422,12 @@ def test_noise_follows_each_dimensions_spread_and_leaves_padding_alone():
 
 
 def test_mixed_precision_follows_the_device(monkeypatch):
-    from speculum.models import dtypes
     from speculum.training import draft_heads
 
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
     assert draft_heads.mixed_precision("auto", "cpu") is torch.bfloat16
     assert draft_heads.mixed_precision("float32", "cpu") is None
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     assert draft_heads.mixed_precision("auto", "cpu") is None  # an AVX2 CPU emulates bf16: slower
     assert draft_heads.mixed_precision("bfloat16", "cpu") is torch.bfloat16
     with pytest.raises(InvalidInputError, match="precision"):
@@ -727,9 +727,8 @@ def test_the_projection_drafts_in_bfloat16_where_the_cpu_computes_it_natively(fa
     """Heads only propose: where bf16 is native the draft vocabulary's rows are kept in bf16 (the
     output stays in the caller's dtype); elsewhere in float32. Exactness is the tests above'."""
     from speculum.heads.projection import DraftVocabProjection
-    from speculum.models import dtypes
 
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: fast)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: fast)
     projection = DraftVocabProjection(torch.arange(VOCAB), llama.config.hidden_size)
     projection.attach(llama.get_output_embeddings().weight)
     hidden = torch.randn(3, llama.config.hidden_size)
@@ -793,11 +792,10 @@ def test_the_ctc_modules_packed_layer_computes_what_the_stock_layer_does(padded,
     with prepacked matrices (speculum.heads.ctc.PackedDecoderLayer): same outputs, rounding aside,
     with and without padded memory, for the whole module too."""
     from speculum.heads.ctc import CTCDraftModule
-    from speculum.models import dtypes
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     torch.manual_seed(0)
     hidden = llama.config.hidden_size
     module = CTCDraftModule(hidden, torch.arange(VOCAB), slots=4, label_length=2, context=6, num_attention_heads=4,

@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import speculum
-from speculum import accel, models
+from speculum import accel, machine, models
 from speculum.cli import app
 from speculum.models import dtypes
 
@@ -28,7 +28,7 @@ FAST, SLOW = {1: 1.0, 4: 2.0, 8: 3.0}, {1: 2.0, 4: 4.0, 8: 6.0}  # _blend: 1.0 a
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(dtypes.MEASURE_ENV, raising=False)
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
     # a machine at rest (other jobs on this one would make every verdict provisional)
     monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
 
@@ -115,7 +115,7 @@ def test_prepack_off_times_stock_float32(model_dir, fake_times):
 
 
 def test_cpu_without_native_bf16_gives_float32_without_measuring(model_dir, monkeypatch):
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(dtypes, "_measure", no_measuring)
     model, _, choice = models.load_with_dtype_choice(model_dir)
     assert model.dtype is torch.float32 and choice.dtype is torch.float32
@@ -129,7 +129,7 @@ def test_explicit_dtypes_untouched(model_dir, monkeypatch):
         model, _, choice = models.load_with_dtype_choice(model_dir, dtype=asked)
         assert model.dtype is expected and choice.dtype is expected
         assert choice.reason == "asked for" and not choice.measured
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     assert models.choose_dtype("bfloat16").dtype is torch.bfloat16
     with pytest.raises(speculum.InvalidInputError, match="dtype"):
         models.choose_dtype("int8")

@@ -199,7 +199,7 @@ def test_a_half_precision_head_is_lazy_only_where_more_rows_cost_more(monkeypatc
 def test_specdecpp_and_oracle_policies(arch_setup, method, tmp_path):
     """SpecDec++ (an untrained head: its stops are arbitrary, the output must not care) and the oracle,
     which must stop exactly before the first rejection: every drafted token accepted."""
-    from speculum.acceptance_head import AcceptanceHead, draft_fingerprint, draft_hidden_size
+    from speculum.heads.acceptance import AcceptanceHead, draft_fingerprint, draft_hidden_size
 
     _, model, refs = arch_setup
     draft = perturbed_copy(model, scale=0.4)

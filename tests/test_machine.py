@@ -9,7 +9,7 @@ import platform
 import pytest
 import torch
 
-from speculum import accel, costs, machine
+from speculum import costs, machine, row_padding
 from speculum.models import dtypes
 from speculum.runner import ModelRunner
 
@@ -48,7 +48,7 @@ def test_two_cpu_models_with_the_same_flags_share_no_cache(fake_cpu, tmp_path, m
     config = tiny_config("llama")
 
     def keys():
-        return costs.machine_key(runner), accel._padding_path(runner), dtypes._cache_key(config, True)[0]
+        return costs.machine_key(runner), row_padding._padding_path(runner), dtypes._cache_key(config, True)[0]
 
     first = keys()
     assert keys() == first  # deterministic

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from speculum import accel, costs, machine, models
+from speculum import accel, costs, machine, models, row_padding
 from speculum.cli import app
 from speculum.costs import CostModel
 from speculum.models import dtypes
@@ -33,8 +33,8 @@ def load(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(costs, "cache_dir", lambda: tmp_path / "costs")
     monkeypatch.delenv(dtypes.MEASURE_ENV, raising=False)
-    monkeypatch.delenv(accel.PAD_ENV, raising=False)
-    monkeypatch.setattr(dtypes, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.delenv(row_padding.PAD_ENV, raising=False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
     return value
 
 
@@ -61,14 +61,14 @@ class Cache:
         else:
             self.runner = ModelRunner(tiny_model("llama"))
             accel.prepack(self.runner.model)
-            monkeypatch.setattr(accel, "_time_padding", count(dict(PADDING_MS)))
+            monkeypatch.setattr(row_padding, "_time_padding", count(dict(PADDING_MS)))
 
     def verdict(self):
         if self.kind == "dtype":
             return models.choose_dtype("auto", "cpu", tiny_config("llama"))
         if self.kind == "costs":
             return costs.measured_cost_model(self.runner)
-        return accel.choose_row_padding(self.runner)
+        return row_padding.choose_row_padding(self.runner)
 
     def provisional(self, verdict) -> bool:
         return bool(verdict.provisional)
@@ -79,7 +79,7 @@ class Cache:
         elif self.kind == "costs":
             path = costs.cache_dir() / f"{costs.machine_key(self.runner)}.json"
         else:
-            path = accel._padding_path(self.runner)
+            path = row_padding._padding_path(self.runner)
         return json.loads(path.read_text())
 
 
@@ -130,7 +130,7 @@ def test_refresh_measures_a_final_verdict_again_and_a_busy_cpu_makes_it_provisio
     elif kind == "costs":
         costs.measured_cost_model(cache.runner, refresh=True)
     else:
-        monkeypatch.setenv(accel.PAD_ENV, "refresh")
+        monkeypatch.setenv(row_padding.PAD_ENV, "refresh")
         cache.verdict()
     assert cache.measured == 2 and cache.file()["provisional"] is True
 
@@ -144,14 +144,14 @@ def test_a_provisional_verdict_is_kept_where_measuring_it_again_fails(load, monk
     def broken(*args):
         raise RuntimeError("no oneDNN today")
 
-    monkeypatch.setattr(accel, "_time_padding", broken)
+    monkeypatch.setattr(row_padding, "_time_padding", broken)
     kept = cache.verdict()
-    assert kept.rows == accel.PAD_ROWS and kept.provisional
+    assert kept.rows == row_padding.PAD_ROWS and kept.provisional
 
 
 def test_stats_say_when_the_dtype_and_the_cost_curve_are_provisional(load, monkeypatch, model_dir):
     monkeypatch.setattr(dtypes, "_measure", lambda config, prepack: {"prepacked float32": 1.0, "bfloat16": 2.0})
-    monkeypatch.setenv(accel.PAD_ENV, "0")
+    monkeypatch.setenv(row_padding.PAD_ENV, "0")
     args = ["generate", "w1 w2 w3 w4 w1 w2 w3", "--model", model_dir, "--max-new-tokens", "4", "--no-stream"]
     load[0] = BUSY
     result = CliRunner().invoke(app, args)  # the default method: auto, with the controller's cost curve

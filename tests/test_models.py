@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculum import models
+from speculum import machine, models
 from speculum.errors import IncompatibleDraftError, InvalidInputError, ModelLoadError
 from speculum.runner import with_cache
 
@@ -157,9 +157,9 @@ def test_resolve_dtype_names():
 
 
 def test_resolve_dtype_auto_follows_cpu_bf16(monkeypatch):
-    monkeypatch.setattr(models.dtypes, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
     assert models.resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(models.dtypes, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
     assert models.resolve_dtype("auto", "cpu") is torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)

@@ -406,7 +406,7 @@ def test_engine_sampling_on_a_real_model(method, target_vocab, draft_vocab, tmp_
         "ouroboros": {"num_speculative_tokens": 3, "window_size": 3, "ngram_size": 3},
     }.get(method, {"num_speculative_tokens": 3})
     if method == "specdecpp":
-        from speculum.acceptance_head import AcceptanceHead
+        from speculum.heads.acceptance import AcceptanceHead
 
         torch.manual_seed(0)
         head = AcceptanceHead(draft.config.hidden_size, 1, early=True)

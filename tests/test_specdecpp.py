@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from speculum.acceptance_head import WEIGHTS, AcceptanceHead, draft_fingerprint, draft_hidden_size
 from speculum.errors import CheckpointError, InvalidInputError
+from speculum.heads.acceptance import WEIGHTS, AcceptanceHead, draft_fingerprint, draft_hidden_size
 from speculum.policies import DraftStep, OracleStop, SpecDecPPStop, make_policy
 
 from helpers import build_drafter
@@ -128,7 +128,7 @@ def test_oracle_stops_before_the_first_token_off_the_reference():
 
 
 def test_a_shipped_head_is_found_by_draft_fingerprint(draft, tmp_path, monkeypatch):
-    import speculum.acceptance_head as acceptance_head
+    import speculum.heads.acceptance as acceptance_head
 
     head = AcceptanceHead(draft_hidden_size(draft), 1, draft_fingerprint(draft))
     head.save(tmp_path / "heads" / "tiny", dtype=torch.bfloat16)  # shipped heads are stored in bfloat16
@@ -145,7 +145,7 @@ def test_a_shipped_head_is_found_by_draft_fingerprint(draft, tmp_path, monkeypat
 
 def test_the_shipped_head_is_intact():
     """The head in the package loads (checksum, shape) and is the early kind the docs describe."""
-    from speculum.acceptance_head import BUNDLED
+    from speculum.heads.acceptance import BUNDLED
 
     directories = sorted(p.parent for p in BUNDLED.glob("*/config.json"))
     assert directories, "no acceptance head ships with the package"
@@ -160,7 +160,7 @@ def test_the_shipped_head_is_intact():
 def test_each_request_uses_the_shipped_head_trained_nearest_its_temperature(draft, tmp_path, monkeypatch):
     """Acceptance depends on the warping (greedy matches vs min(1, p/q) at T=1): where heads for
     several temperatures ship, a request uses the one trained nearest its own."""
-    import speculum.acceptance_head as acceptance_head
+    import speculum.heads.acceptance as acceptance_head
     from speculum.sampling import SamplingParams
 
     for name, temperature in (("tiny", 0.0), ("tiny-t1", 1.0)):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from speculum import accel, engine
+from speculum import accel, engine, row_padding
 from speculum.controller import Controller
 from speculum.costs import CostModel, measured_cost_model
 from speculum.drafters.base import Resources
@@ -466,7 +466,7 @@ def load(
     machine and model, cached; float32 where the CPU has no native bfloat16) and a draft model takes
     the same dtype; ``spec.dtype_choice`` (a ``speculum.models.DtypeChoice``) says what was chosen and why.
     Prepacked models' one- and two-token forwards are padded to 4 rows where that measures faster
-    (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.accel.choose_row_padding``).
+    (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.row_padding.choose_row_padding``).
     """
     from speculum import models
 
@@ -505,9 +505,9 @@ def load(
     spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
     spec.dtype_choice = dtype_choice  # the target's dtype and why (dtype="auto" measures on a CPU)
     if prepack:  # small forwards padded where a kernel for more rows is faster (measured once, cached)
-        spec.row_padding = accel.choose_row_padding(spec.runner)
+        spec.row_padding = row_padding.choose_row_padding(spec.runner)
         if draft_model is not None and self_layers is None:  # a self-draft shares the target's layers
-            spec.draft_row_padding = accel.choose_row_padding(ModelRunner(draft_model))
+            spec.draft_row_padding = row_padding.choose_row_padding(ModelRunner(draft_model))
     if config is not None:
         spec.default_config = config
     return spec

@@ -82,7 +82,7 @@ class CostModel:
         # (Qwen2.5-Coder 1.5B: 157 ms against 132 ms, and plain decoding ran at 159 ms a token). So was
         # t(2) there, unpadded (169-182 ms against 130-147 for four): the envelope lowered it, and
         # only the online correction of its own size bucket learnt it back. Models whose small
-        # forwards pay for it are now padded to 4 rows (speculum.accel.choose_row_padding), which
+        # forwards pay for it are now padded to 4 rows (speculum.row_padding.choose_row_padding), which
         # makes 1-4 nodes cost alike, as the envelope assumes.
         envelope: list[tuple[int, float]] = []
         for n, t in sorted(self.points, reverse=True):

@@ -107,6 +107,34 @@ def cpu_identity() -> dict[str, Any]:
     }
 
 
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    import torch
+
+    try:  # no /proc (macOS, Windows): fall back on the capability PyTorch dispatches to
+        return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"  # pragma: no cover
+    except Exception:  # pragma: no cover
+        return False
+
+
+def native_bf16(device: Any) -> bool:
+    """True when ``device`` computes bfloat16 natively (a CUDA GPU that supports it, or a CPU with
+    AVX-512 BF16 / AMX)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_fast_bf16()
+
+
 # ------------------------------------------------------------------------------------------------ load
 
 

@@ -123,11 +123,11 @@ def machine_class(device_type: str | None) -> str:
         return device_type or ""
     import torch
 
-    from speculum.models.dtypes import cpu_has_fast_bf16
+    from speculum import machine
 
     capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
     # native bfloat16 changes what runs (dtype="auto" picks it) and what a tree costs: its own class
-    if capability.startswith("avx512") and "bf16" not in capability and cpu_has_fast_bf16():
+    if capability.startswith("avx512") and "bf16" not in capability and machine.cpu_has_fast_bf16():
         capability += "_bf16"
     return "cpu/" + capability
 

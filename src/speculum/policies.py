@@ -252,7 +252,7 @@ def policy_for(options, draft_model) -> LengthPolicy:
     """The length policy a drafter's options ask for; ``specdecpp`` loads its head for ``draft_model``."""
     head = None
     if options.length_policy == "specdecpp":
-        from speculum.acceptance_head import AcceptanceHead, bundled_heads
+        from speculum.heads.acceptance import AcceptanceHead, bundled_heads
 
         paths = [options.acceptance_head] if options.acceptance_head else bundled_heads(draft_model)
         if not paths:

@@ -40,12 +40,11 @@ class DraftVocabProjection(nn.Module):
         as the target's layers are (speculum.accel): Gemma 3 270M's CTC frames, 8 × 16,384 × 640,
         cost 3.0 ms instead of 6.8 on an AVX-512 Xeon without bf16, a fifth of a plain step less
         per drafted round (issue #18). Results equal the stock kernel's up to float rounding."""
-        from speculum import accel
-        from speculum.models.dtypes import native_bf16
+        from speculum import accel, machine
 
         if not self.attached:
             return False
-        if native_bf16(self.weight.device):
+        if machine.native_bf16(self.weight.device):
             self.weight = self.weight.to(torch.bfloat16)
             return True
         if self.packed is None and self.weight.device.type == "cpu" and accel.packs(self.weight.dtype):

@@ -71,30 +71,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    try:  # no /proc (macOS, Windows): fall back on the capability PyTorch dispatches to
-        return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"  # pragma: no cover
-    except Exception:  # pragma: no cover
-        return False
-
-
-def native_bf16(device: torch.device | str) -> bool:
-    """True when ``device`` computes bfloat16 natively (a CUDA GPU that supports it, or a CPU with
-    AVX-512 BF16 / AMX)."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return cpu_has_fast_bf16()
-
-
 def _is_cuda_device(device: str | torch.device) -> bool:
     if str(device) == "auto":
         return torch.cuda.is_available()
@@ -121,7 +97,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if name == "auto":
         if _is_cuda_device(device):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if machine.cpu_has_fast_bf16() else torch.float32
     if name in _DTYPE_NAMES:
         return _DTYPE_NAMES[name]
     raise InvalidInputError(
@@ -278,7 +254,7 @@ def choose_dtype(
     if _is_cuda_device(device):
         why = "bfloat16 on this GPU" if resolved is torch.bfloat16 else "float16: this GPU has no bfloat16"
         return DtypeChoice(resolved, f"auto: {why}")
-    if not cpu_has_fast_bf16():
+    if not machine.cpu_has_fast_bf16():
         return DtypeChoice(
             torch.float32, "auto: this CPU has no native bfloat16 (AVX-512-BF16 or AMX), bfloat16 would be emulated"
         )

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from speculum.acceptance_head import AcceptanceHead, draft_fingerprint
 from speculum.drafters.draft_model import fit_width
 from speculum.errors import CheckpointError, InvalidInputError
+from speculum.heads.acceptance import AcceptanceHead, draft_fingerprint
 from speculum.poolfile import write_atomic
 from speculum.sampling import SamplingParams, warp
 from speculum.training.common import cached_tensors, split_by_text, torch_bytes

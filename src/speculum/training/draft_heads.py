@@ -46,11 +46,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from speculum import machine
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import CTCDraftModule, MedusaHeads, load_draft_head, save_draft_head
 from speculum.heads.checkpoint import model_fingerprint
 from speculum.heads.projection import lm_head_weight
-from speculum.models import dtypes
 from speculum.poolfile import write_atomic
 from speculum.runner import ModelRunner
 from speculum.training.common import cached_tensors, split_by_text, stored_key, torch_bytes
@@ -408,7 +408,7 @@ def mixed_precision(precision: str, device: str) -> torch.dtype | None:
         return None
     if precision == "bfloat16":
         return torch.bfloat16
-    return torch.bfloat16 if dtypes.native_bf16(device) else None
+    return torch.bfloat16 if machine.native_bf16(device) else None
 
 
 def _run_lengths(flags: torch.Tensor) -> torch.Tensor:

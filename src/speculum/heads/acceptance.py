@@ -152,7 +152,9 @@ class AcceptanceHead(nn.Module):
             raise CheckpointError(f"{where} was trained for another draft model (fingerprint mismatch)")
 
 
-BUNDLED = Path(__file__).parent / "data" / "heads"  # heads that ship with speculum, one directory each
+BUNDLED = (
+    Path(__file__).parent.parent / "data" / "acceptance_heads"
+)  # heads that ship with speculum, one directory each
 
 
 def bundled_heads(draft_model: nn.Module) -> list[Path]:
