@@ -20,10 +20,10 @@ def _cost_cache(tmp_path_factory):
     import speculum.costs
 
     path = tmp_path_factory.mktemp("costs")
-    original = speculum.costs.cache_dir
-    speculum.costs.cache_dir = lambda: path
+    original = speculum.costs.costs_dir
+    speculum.costs.costs_dir = lambda: path
     yield path
-    speculum.costs.cache_dir = original
+    speculum.costs.costs_dir = original
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ def fake_clock(monkeypatch, tmp_path):
     clock = _Clock()
     monkeypatch.setattr(row_padding.time, "perf_counter", clock)
     monkeypatch.delenv(row_padding.PAD_ENV, raising=False)
-    monkeypatch.setattr(speculum.costs, "cache_dir", lambda: tmp_path)  # each test its own cache
+    monkeypatch.setattr(speculum.costs, "costs_dir", lambda: tmp_path)  # each test its own cache
     return clock
 
 
@@ -258,7 +258,7 @@ def machine_key_of(runner, **kw):
 def fake_clock_path(runner, name):
     import speculum.costs
 
-    return speculum.costs.cache_dir() / f"rows-{name}.json"
+    return speculum.costs.costs_dir() / f"rows-{name}.json"
 
 
 def test_dense_small_forwards_give_the_stock_kernels_results():

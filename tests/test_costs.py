@@ -20,7 +20,7 @@ PROMPT = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3"
 
 @pytest.fixture
 def cost_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(costs, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs, "costs_dir", lambda: tmp_path)
     monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)  # at rest: verdicts final
     return tmp_path
 

@@ -454,7 +454,7 @@ def test_labels_count_only_while_the_text_stays_on_the_targets_path():
 
 
 def test_generated_data_is_the_targets_own_greedy_continuation(speculum_llama):
-    from speculum.training.draft_heads import DistillSettings, make_data
+    from speculum.training.distill_data import DistillSettings, make_data
     from speculum.training.texts import TrainingText, encode, prompt_for_generation
 
     texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5)]
@@ -493,7 +493,7 @@ def test_generation_continues_the_prompts_as_speculum_bench_lays_them_out(specul
 
 
 def test_continuations_are_made_by_the_engine_and_resume_after_an_interruption(speculum_llama, tmp_path, monkeypatch):
-    from speculum.training.draft_heads import DistillSettings, continuations
+    from speculum.training.distill_data import DistillSettings, continuations
 
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [5, 5, 6], [3, 4, 5]]  # the last: a repeat, made once
     settings = DistillSettings(generate=10, generate_batch=2)
@@ -826,7 +826,7 @@ def test_extra_data_files_are_appended_with_their_texts_kept_apart(speculum_llam
     from safetensors.torch import save_file
 
     from speculum.errors import InvalidInputError
-    from speculum.training.draft_heads import DATA_COLUMNS, append_data
+    from speculum.training.distill_data import DATA_COLUMNS, append_data
 
     hidden = speculum_llama.model.config.hidden_size
 
@@ -865,13 +865,13 @@ def test_an_interrupted_data_pass_resumes_after_its_last_saved_part(speculum_lla
     run's, and the parts go once the whole file is written. Parts made for other inputs are not used."""
     import shutil
 
-    from speculum.training import draft_heads
-    from speculum.training.draft_heads import DATA_COLUMNS, DistillSettings, PartialData, load_or_make_data
+    from speculum.training import distill_data
+    from speculum.training.distill_data import DATA_COLUMNS, DistillSettings, PartialData, load_or_make_data
     from speculum.training.texts import TrainingText
 
     texts = [TrainingText("t", "", " ".join(f"w{i}" for i in range(3, 3 + n))) for n in (3, 9, 5, 7, 4, 8, 6)]
     settings = DistillSettings(max_tokens=64)
-    monkeypatch.setattr(draft_heads, "PART_TEXTS", 2)
+    monkeypatch.setattr(distill_data, "PART_TEXTS", 2)
     whole, _ = load_or_make_data(speculum_llama, texts, settings, tmp_path / "clean" / "d.st", progress=False)
 
     body = speculum_llama.model.model  # the decoder both of the data pass's paths run (with or without the head)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import speculum
 from speculum import accel, machine, models
 from speculum.cli import app
-from speculum.models import dtypes
+from speculum.models import dtype_probe, dtypes
 
 from tiny_models import tiny_config
 
@@ -37,7 +37,7 @@ def _isolated(tmp_path, monkeypatch):
 def fake_times(monkeypatch):
     """Replace the timing of a step by fixed numbers per dtype; counts the measurements made."""
     state = {"bfloat16": SLOW, "float32": FAST, "measured": 0}
-    real_measure = dtypes._measure
+    real_measure = dtype_probe._measure
 
     def step_ms(candidate, shape):
         return dict(state["bfloat16" if candidate.dtype is torch.bfloat16 else "float32"])
@@ -46,8 +46,8 @@ def fake_times(monkeypatch):
         state["measured"] += 1
         return real_measure(config, prepack)
 
-    monkeypatch.setattr(dtypes._Candidate, "step_ms", step_ms)
-    monkeypatch.setattr(dtypes, "_measure", counting_measure)
+    monkeypatch.setattr(dtype_probe._Candidate, "step_ms", step_ms)
+    monkeypatch.setattr(dtype_probe, "_measure", counting_measure)
     return state
 
 
@@ -98,7 +98,9 @@ def test_bfloat16_must_win_clearly(model_dir, fake_times, bf16_share):
 
 def test_float32_that_would_not_fit_in_memory_gives_bfloat16(model_dir, fake_times, monkeypatch):
     config = tiny_config("llama")
-    need = 4 * (config.num_hidden_layers * dtypes._layer_params(config) + 2 * config.vocab_size * config.hidden_size)
+    need = 4 * (
+        config.num_hidden_layers * dtype_probe._layer_params(config) + 2 * config.vocab_size * config.hidden_size
+    )
     monkeypatch.setattr(dtypes, "_available_memory", lambda: int(need / dtypes._MEMORY_SHARE) + 1)
     assert models.choose_dtype("auto", "cpu", config).dtype is torch.float32  # fits
     monkeypatch.setattr(dtypes, "_available_memory", lambda: need)
@@ -116,7 +118,7 @@ def test_prepack_off_times_stock_float32(model_dir, fake_times):
 
 def test_cpu_without_native_bf16_gives_float32_without_measuring(model_dir, monkeypatch):
     monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
-    monkeypatch.setattr(dtypes, "_measure", no_measuring)
+    monkeypatch.setattr(dtype_probe, "_measure", no_measuring)
     model, _, choice = models.load_with_dtype_choice(model_dir)
     assert model.dtype is torch.float32 and choice.dtype is torch.float32
     assert not choice.measured and "no native bfloat16" in choice.reason
@@ -124,7 +126,7 @@ def test_cpu_without_native_bf16_gives_float32_without_measuring(model_dir, monk
 
 
 def test_explicit_dtypes_untouched(model_dir, monkeypatch):
-    monkeypatch.setattr(dtypes, "_measure", no_measuring)
+    monkeypatch.setattr(dtype_probe, "_measure", no_measuring)
     for asked, expected in [("float32", torch.float32), ("bf16", torch.bfloat16), (torch.float16, torch.float16)]:
         model, _, choice = models.load_with_dtype_choice(model_dir, dtype=asked)
         assert model.dtype is expected and choice.dtype is expected
@@ -137,7 +139,7 @@ def test_explicit_dtypes_untouched(model_dir, monkeypatch):
 
 
 def test_cuda_auto_unchanged(monkeypatch):
-    monkeypatch.setattr(dtypes, "_measure", no_measuring)
+    monkeypatch.setattr(dtype_probe, "_measure", no_measuring)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     choice = models.choose_dtype("auto", "cuda:0", tiny_config("llama"))
@@ -148,7 +150,7 @@ def test_cuda_auto_unchanged(monkeypatch):
 
 def test_measuring_can_be_switched_off(model_dir, monkeypatch):
     monkeypatch.setenv(dtypes.MEASURE_ENV, "0")
-    monkeypatch.setattr(dtypes, "_measure", no_measuring)
+    monkeypatch.setattr(dtype_probe, "_measure", no_measuring)
     model, _, choice = models.load_with_dtype_choice(model_dir)
     assert model.dtype is torch.bfloat16 and not choice.measured  # the CPU-flag rule
     assert f"{dtypes.MEASURE_ENV}=0" in choice.reason
@@ -161,7 +163,7 @@ def test_failed_measurement_falls_back_on_the_flag_rule(model_dir, monkeypatch, 
     def broken(candidate, record=True):
         raise RuntimeError("no oneDNN today")
 
-    monkeypatch.setattr(dtypes._Candidate, "time_round", broken)
+    monkeypatch.setattr(dtype_probe._Candidate, "time_round", broken)
     with caplog.at_level(logging.WARNING, logger="speculum"):
         model, _, choice = models.load_with_dtype_choice(model_dir)
     assert model.dtype is torch.bfloat16 and "measuring failed" in choice.reason
@@ -218,20 +220,20 @@ def test_thread_count_or_model_shape_change_the_key(model_dir, fake_times, tmp_p
 
 def test_cache_key_covers_cpu_software_and_shape(monkeypatch):
     config = tiny_config("llama")
-    key, inputs = dtypes._cache_key(config, True)
-    assert dtypes._cache_key(tiny_config("llama"), True)[0] == key  # deterministic
-    assert dtypes._cache_key(config, False)[0] != key
-    assert dtypes._cache_key(tiny_config("qwen2"), True)[0] != key
+    key, inputs = dtype_probe.cache_key(config, True)
+    assert dtype_probe.cache_key(tiny_config("llama"), True)[0] == key  # deterministic
+    assert dtype_probe.cache_key(config, False)[0] != key
+    assert dtype_probe.cache_key(tiny_config("qwen2"), True)[0] != key
     wider = tiny_config("llama")
     wider.hidden_size = 64
-    assert dtypes._cache_key(wider, True)[0] != key
+    assert dtype_probe.cache_key(wider, True)[0] != key
     monkeypatch.setattr(torch, "__version__", "0.0.1")
-    assert dtypes._cache_key(config, True)[0] != key
+    assert dtype_probe.cache_key(config, True)[0] != key
     monkeypatch.undo()
-    monkeypatch.setattr(dtypes, "_cpu_identity", lambda: {**inputs["cpu"], "name": "Another CPU"})
-    assert dtypes._cache_key(config, True)[0] != key
-    monkeypatch.setattr(dtypes, "_cpu_identity", lambda: {**inputs["cpu"], "flags": "0" * 16})
-    assert dtypes._cache_key(config, True)[0] != key
+    monkeypatch.setattr(machine, "cpu_identity", lambda: {**inputs["cpu"], "name": "Another CPU"})
+    assert dtype_probe.cache_key(config, True)[0] != key
+    monkeypatch.setattr(machine, "cpu_identity", lambda: {**inputs["cpu"], "flags": "0" * 16})
+    assert dtype_probe.cache_key(config, True)[0] != key
 
 
 @pytest.mark.parametrize(
@@ -284,32 +286,32 @@ def test_real_measurement_runs_on_tiny_models(arch):
 
 def test_crowded_cpu_cuts_repetitions(monkeypatch):
     rounds = []
-    real = dtypes._Candidate.time_round
+    real = dtype_probe._Candidate.time_round
 
     def counting(candidate, record=True):
         rounds.append(record)
         return real(candidate, record)
 
-    monkeypatch.setattr(dtypes._Candidate, "time_round", counting)
-    monkeypatch.setattr(dtypes, "_BUDGET_S", 0.0)  # over budget at once: one recorded round after the warm-up
+    monkeypatch.setattr(dtype_probe._Candidate, "time_round", counting)
+    monkeypatch.setattr(dtype_probe, "_BUDGET_S", 0.0)  # over budget at once: one recorded round after the warm-up
     assert models.choose_dtype("auto", "cpu", tiny_config("llama")).measured
     assert rounds == [False, False, True, True]
     rounds.clear()
-    monkeypatch.setattr(dtypes, "_BUDGET_S", 1e9)
+    monkeypatch.setattr(dtype_probe, "_BUDGET_S", 1e9)
     models.choose_dtype("auto", "cpu", tiny_config("qwen2"))
-    assert rounds == [False, False] + [True] * 2 * dtypes._REPS
+    assert rounds == [False, False] + [True] * 2 * dtype_probe._REPS
 
 
 def test_stack_sizes_and_slices(monkeypatch):
     config = tiny_config("llama")
     config.num_hidden_layers = 8
-    full = dtypes._layer_params(config)
-    stack, layers = dtypes._build_stack(config)  # tiny layers: all of them are timed together
-    assert layers == 8.0 and stack.config.num_hidden_layers == 8 and stack.config.vocab_size == dtypes._SMALL_VOCAB
-    monkeypatch.setattr(dtypes, "_STACK_MIN_BYTES", 4 * full * 3 - 1)
-    assert dtypes._build_stack(config)[1] == 3.0  # 3 layers hold the least bytes to time
-    monkeypatch.setattr(dtypes, "_STACK_MAX_BYTES", 4 * full // 2)  # one layer is too big: half of one
-    stack, layers = dtypes._build_stack(config)
+    full = dtype_probe._layer_params(config)
+    stack, layers = dtype_probe._build_stack(config)  # tiny layers: all of them are timed together
+    assert layers == 8.0 and stack.config.num_hidden_layers == 8 and stack.config.vocab_size == dtype_probe._SMALL_VOCAB
+    monkeypatch.setattr(dtype_probe, "_STACK_MIN_BYTES", 4 * full * 3 - 1)
+    assert dtype_probe._build_stack(config)[1] == 3.0  # 3 layers hold the least bytes to time
+    monkeypatch.setattr(dtype_probe, "_STACK_MAX_BYTES", 4 * full // 2)  # one layer is too big: half of one
+    stack, layers = dtype_probe._build_stack(config)
     assert stack.config.num_hidden_layers == 1 and 0.3 < layers < 0.7
     timed = sum(p.numel() for p in stack.model.layers.parameters())
     assert layers == pytest.approx(timed / full)
@@ -321,31 +323,31 @@ def test_stack_sizes_and_slices(monkeypatch):
 
 def test_head_is_sliced_for_big_vocabularies(monkeypatch):
     seen = []
-    real = dtypes._Candidate.step_ms
+    real = dtype_probe._Candidate.step_ms
 
     def spy(candidate, shape):
         seen.append((candidate.head.out_features, shape.head_rows))
         return real(candidate, shape)
 
-    monkeypatch.setattr(dtypes._Candidate, "step_ms", spy)
-    monkeypatch.setattr(dtypes, "_HEAD_MAX_WEIGHTS", 32 * 16)  # 16 rows of a 32-wide head
+    monkeypatch.setattr(dtype_probe._Candidate, "step_ms", spy)
+    monkeypatch.setattr(dtype_probe, "_HEAD_MAX_WEIGHTS", 32 * 16)  # 16 rows of a 32-wide head
     assert models.choose_dtype("auto", "cpu", tiny_config("llama", vocab_size=64)).measured
     assert seen == [(16, 4.0), (16, 4.0)]  # both candidates: 64 rows timed as 16, scaled by 4
 
 
 def test_step_prediction_scales_layers_and_head():
     """Whole-model step = runner overhead once + layers x (model layers / stack layers) + head x slices."""
-    candidate = dtypes._Candidate.__new__(dtypes._Candidate)
+    candidate = dtype_probe._Candidate.__new__(dtype_probe._Candidate)
     candidate.runner = type("R", (), {"lazy_head": False})()
     candidate.total = {1: 0.010, 4: 0.012, 8: 0.014}
     candidate.layers = {1: 0.008, 4: 0.010, 8: 0.012}
     candidate.head_best = {1: 0.001, 4: 0.002, 8: 0.003}
-    shape = dtypes._Shape(layers=10.0, head_rows=2.0, hidden=32)
+    shape = dtype_probe._Shape(layers=10.0, head_rows=2.0, hidden=32)
     assert candidate.step_ms(shape) == pytest.approx({1: 84.0, 4: 106.0, 8: 128.0})
     candidate.runner.lazy_head = True  # one head row per committed token: 1, 2 and 3
     candidate.head_best = {1: 0.001}
     assert candidate.step_ms(shape) == pytest.approx({1: 84.0, 4: 106.0, 8: 128.0})
-    assert dtypes._blend({1: 84.0, 4: 106.0, 8: 128.0}) == pytest.approx(0.5 * 84 + 0.25 * 53 + 0.25 * 128 / 3)
+    assert dtype_probe._blend({1: 84.0, 4: 106.0, 8: 128.0}) == pytest.approx(0.5 * 84 + 0.25 * 53 + 0.25 * 128 / 3)
 
 
 # ------------------------------------------------------------------------------------------------ surfaces

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speculum import costs, machine, row_padding
-from speculum.models import dtypes
+from speculum.models import dtype_probe
 from speculum.runner import ModelRunner
 
 from tiny_models import tiny_config, tiny_model
@@ -43,12 +43,12 @@ def fake_cpu(monkeypatch):
 def test_two_cpu_models_with_the_same_flags_share_no_cache(fake_cpu, tmp_path, monkeypatch):
     """The cost curve, the row-padding verdict and the dtype verdict are all keyed by the CPU's model
     name, not by ``platform.processor()`` (``x86_64`` on Linux, which both CPUs print)."""
-    monkeypatch.setattr(costs, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs, "costs_dir", lambda: tmp_path)
     runner = ModelRunner(tiny_model("llama"))
     config = tiny_config("llama")
 
     def keys():
-        return costs.machine_key(runner), row_padding._padding_path(runner), dtypes._cache_key(config, True)[0]
+        return costs.machine_key(runner), row_padding._padding_path(runner), dtype_probe.cache_key(config, True)[0]
 
     first = keys()
     assert keys() == first  # deterministic
@@ -80,7 +80,7 @@ def test_the_caches_share_one_root(tmp_path, monkeypatch):
 
     monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path))
     assert machine.cache_dir() == cache_dir() == tmp_path
-    assert dtypes._cache_path("0" * 64).parent == tmp_path / "dtype"
+    assert dtype_probe._cache_path("0" * 64).parent == tmp_path / "dtype"
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from speculum import accel, costs, machine, models, row_padding
 from speculum.cli import app
 from speculum.costs import CostModel
-from speculum.models import dtypes
+from speculum.models import dtype_probe, dtypes
 from speculum.runner import ModelRunner
 
 from tiny_models import tiny_config, tiny_model
@@ -31,7 +31,7 @@ def load(monkeypatch, tmp_path):
     value = [AT_REST]
     monkeypatch.setattr("os.getloadavg", lambda: (value[0], value[0], value[0]), raising=False)
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(costs, "cache_dir", lambda: tmp_path / "costs")
+    monkeypatch.setattr(costs, "costs_dir", lambda: tmp_path / "costs")
     monkeypatch.delenv(dtypes.MEASURE_ENV, raising=False)
     monkeypatch.delenv(row_padding.PAD_ENV, raising=False)
     monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
@@ -53,7 +53,7 @@ class Cache:
             return measure
 
         if kind == "dtype":
-            monkeypatch.setattr(dtypes, "_measure", count({"prepacked float32": 2.0, "bfloat16": 1.0}))
+            monkeypatch.setattr(dtype_probe, "_measure", count({"prepacked float32": 2.0, "bfloat16": 1.0}))
         elif kind == "costs":
             self.runner = ModelRunner(tiny_model("llama"))
             curve = count(lambda: CostModel([(1, 0.010), (2, 0.011), (4, 0.012)]))
@@ -77,7 +77,7 @@ class Cache:
         if self.kind == "dtype":
             (path,) = (machine.cache_dir() / "dtype").glob("*.json")
         elif self.kind == "costs":
-            path = costs.cache_dir() / f"{costs.machine_key(self.runner)}.json"
+            path = costs.costs_dir() / f"{costs.machine_key(self.runner)}.json"
         else:
             path = row_padding._padding_path(self.runner)
         return json.loads(path.read_text())
@@ -150,7 +150,7 @@ def test_a_provisional_verdict_is_kept_where_measuring_it_again_fails(load, monk
 
 
 def test_stats_say_when_the_dtype_and_the_cost_curve_are_provisional(load, monkeypatch, model_dir):
-    monkeypatch.setattr(dtypes, "_measure", lambda config, prepack: {"prepacked float32": 1.0, "bfloat16": 2.0})
+    monkeypatch.setattr(dtype_probe, "_measure", lambda config, prepack: {"prepacked float32": 1.0, "bfloat16": 2.0})
     monkeypatch.setenv(row_padding.PAD_ENV, "0")
     args = ["generate", "w1 w2 w3 w4 w1 w2 w3", "--model", model_dir, "--max-new-tokens", "4", "--no-stream"]
     load[0] = BUSY

@@ -1,30 +1,26 @@
 """Faster linear layers on CPU: weights prepacked once for oneDNN, in float32 and bfloat16.
 
 Speculation only pays if verifying K tokens costs about as much as decoding one. With PyTorch's
-default float32 path (MKL) on the CPUs measured here, a linear layer over 2 rows costs ~2x one row
-(matrix-vector vs matrix-matrix kernels), so a draft of even 2 tokens doubled the step. oneDNN's
-kernels on weights reordered once into its blocked layout (``torch.ops.mkldnn``, the same
-prepacking ``torch.compile``'s CPU freezing uses) keep 1..8 rows nearly flat and make a single row
-faster too. See BENCHMARKS.md for t(K) with and without it.
+default float32 path (MKL), a linear layer over 2 rows costs about twice one row (matrix-vector vs
+matrix-matrix kernels), so a draft of even 2 tokens doubles the step. oneDNN's kernels on weights
+reordered once into its blocked layout (``torch.ops.mkldnn``, the same prepacking ``torch.compile``'s
+CPU freezing uses) keep 1..8 rows nearly flat and make a single row faster too (t(K) with and
+without it: docs/results.md).
 
 bfloat16 layers are prepacked too where the CPU computes bfloat16 natively (AVX-512-BF16, AMX).
 PyTorch's stock bfloat16 linear already runs oneDNN's kernels there, but reorders the weight on
-every call: prepacked, a Qwen2.5-Coder 1.5B layer's MLP runs 2-2.8x faster over 1-8 rows and a step
-of the whole model over 1-8 tokens 25-34% cheaper, with logits bit-identical to the stock layers'
-(issue #18, fourteenth pass). Where bfloat16 is emulated it is left as it is (not measured there).
+every call; prepacked, the same kernels run without the reorder, with logits bit-identical to the
+stock layers'. Where bfloat16 is emulated it is left as it is.
 
 Forwards over fewer than 4 rows can be padded to 4 (``PackedLinear.min_rows``, decided by
-measuring the loaded model: :func:`choose_row_padding`). On the AVX-512-BF16 EPYC measured here,
-oneDNN's bfloat16 kernels for 1-2 rows ran slower than its kernel for 4: a Qwen2.5-Coder 1.5B
-one-token step took 150-178 ms and a two-token verification 169-182 ms, against 130-147 ms for
-four tokens; padded to 4 rows (the extra rows zeros, their outputs dropped) the one- and two-token
-forwards cost 128-150 ms (issue #18, sixteenth pass). A draft model verifying one token a round
-paid the most. On other CPUs the stock kernel is the faster one for those forwards: on an Intel
-Xeon with AVX-512 (no bf16), MKL ran a float32 one-token step of the Qwen2.5-Coder 1.5B in 247 ms
-against 375 ms packed, and 8 tokens in 802 ms against 500 (issue #18, twenty-sixth pass). There
-one- and two-row forwards run on the stock kernel over a dense copy of each weight
-(``PackedLinear.dense_rows``, decided by the same measurement, only where the copies fit in memory),
-and wider ones on the packed weights.
+measuring the loaded model: :func:`speculum.row_padding.choose_row_padding`): on some CPUs oneDNN's
+kernels for 1-2 rows run slower than its kernel for 4, and padded to 4 rows (the extra rows zeros,
+their outputs dropped) the one- and two-token forwards cost no more than four tokens do. A draft
+model verifying one token a round gains the most. On other CPUs the stock kernel is the faster one
+for those forwards while the packed one stays faster for wider ones. There one- and two-row
+forwards run on the stock kernel over a dense copy of each weight (``PackedLinear.dense_rows``,
+decided by the same measurement, only where the copies fit in memory), and wider ones on the
+packed weights.
 
 The swap is reversible (``unpacked``) so a benchmark can time transformers' stock model in the
 same process. Numerics: float32 results differ from MKL's in the last bits, exactly like any other
@@ -156,8 +152,8 @@ def unpacked(*models: nn.Module | None) -> Iterator[None]:
     """Run a block on the stock ``nn.Linear`` layers (e.g. to time transformers' own generate).
 
     The packed layers are put back as they were, not packed again: a fresh reorder lands the weights
-    in new memory, and on the machines measured here decoding from it ran 5-20% slower for a while
-    (issue #18, twelfth pass: in a benchmark, the method timed right after each transformers row)."""
+    in new memory, and decoding from it runs slower for a while (in a benchmark, the method timed
+    right after each transformers row would pay for it)."""
     originals: list[tuple[nn.Module, str, PackedLinear]] = []
     for model in models:
         if model is not None:

@@ -30,9 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from speculum import machine
+from speculum.accel import dense_rows, min_rows
+from speculum.cache import crop
 from speculum.errors import SpeculumError
+from speculum.tree import TokenTree
 
 log = logging.getLogger("speculum")
 
@@ -40,9 +44,9 @@ FORMAT = "speculum-costs"
 VERSION = 3  # bumped when the measurement, its key or the file changes: older curves are measured again
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
 PREFIX = 256  # tokens of the default probe context (one is the root of the timed trees)
-# A forward this many times off its prediction is not noise but a curve measured on another machine
-# state: a CPU oversubscribed by a second process reads 3-15x slow (Gemma 3 270M's t(1) cached at
-# 1.5 s against 0.08 s timed, issue #18), while a cold first forward or a busy phase reads <= 2x.
+# A forward this many times off its prediction is not noise but a curve measured in another machine
+# state: a CPU oversubscribed by a second process reads several times slow, while a cold first
+# forward or a busy phase reads at most about twice.
 GROSS = 3.0
 GROSS_RUN = 3  # consecutive gross samples (the same way) that rescale the curve
 
@@ -76,14 +80,13 @@ class CostModel:
     def __post_init__(self) -> None:
         # Past one token a bigger forward never costs less, so a point above a larger size's is noise
         # (another process took the core for a moment: noise on a timing is always upward): lower it
-        # to that one. Without this, one slow sample at t(4) made 4 nodes look dearer than 8, and the
-        # controller pruned every draft to 2 nodes. t(1) stays as measured: one token runs other
-        # kernels (matrix-vector), and in bfloat16 on an AVX-512-bf16 CPU it really is dearer than two
-        # (Qwen2.5-Coder 1.5B: 157 ms against 132 ms, and plain decoding ran at 159 ms a token). So was
-        # t(2) there, unpadded (169-182 ms against 130-147 for four): the envelope lowered it, and
-        # only the online correction of its own size bucket learnt it back. Models whose small
-        # forwards pay for it are now padded to 4 rows (speculum.row_padding.choose_row_padding), which
-        # makes 1-4 nodes cost alike, as the envelope assumes.
+        # to that one, or one slow sample at t(4) makes 4 nodes look dearer than 8 and the controller
+        # prunes every draft to 2 nodes. t(1) stays as measured: one token runs other kernels
+        # (matrix-vector), and in bfloat16 on an AVX-512-BF16 CPU it can really be dearer than two.
+        # Models whose small forwards pay for that are padded to 4 rows
+        # (speculum.row_padding.choose_row_padding), which makes 1-4 nodes cost alike, as the
+        # envelope assumes; where they are not, the online correction of t(2)'s own size bucket
+        # learns what the envelope lowered.
         envelope: list[tuple[int, float]] = []
         for n, t in sorted(self.points, reverse=True):
             envelope.append((n, t if not envelope or n == 1 else min(t, envelope[-1][1])))
@@ -119,9 +122,8 @@ class CostModel:
         ratio = seconds / max(self.base(n), 1e-9)
         # a bucket's first sample moves the factor it had (the nearest bucket's, or the measured
         # curve's 1.0) like any other, instead of replacing it: the first forward of a process after
-        # a prefill can take twice its time, and taken whole it made every size one plain step
-        # dearer for the next ~20 forwards (a plain step at 270 ms against 140 ms as timed: the
-        # controller then saw drafting win where it lost, issue #18)
+        # a prefill can take twice its time, and taken whole it would make every size one plain step
+        # dearer for the next ~20 forwards (the controller would then see drafting win where it loses)
         old = self._factor(bucket)
         self.correction[bucket] = old + self.smoothing * (ratio - old)
         self._check_scale(ratio, old)
@@ -130,8 +132,8 @@ class CostModel:
         """Rescale the whole curve when forwards keep landing ``GROSS`` times off it (``ratio``: this
         sample against the measured curve, ``factor``: the correction it was predicted with). The
         smoothed correction would take ~30 forwards to get there, and until then the controller
-        judges drafting against a plain step as dear as the stale curve says (it drafted every round
-        of a request at a predicted 4.7 tokens/s where 14 were realised)."""
+        judges drafting against a plain step as dear as the stale curve says (and drafts in rounds
+        where plain decoding is faster)."""
 
         def gross(off: float, slow: bool) -> bool:
             return off >= GROSS if slow else off <= 1.0 / GROSS
@@ -206,15 +208,12 @@ class CostModel:
     @classmethod
     def measure(cls, runner, prefix_ids: list[int], sizes: Sequence[int] = SIZES, reps: int = 5) -> CostModel:
         """Median time of ``reps`` forwards per size after a cache holding ``prefix_ids`` (cut to fit
-        the model's context: see :func:`fitting`), the sizes
-        interleaved (one forward of each size per repetition, after one warm-up pass). Interleaving
-        matters: a CPU has slow phases of seconds (bfloat16 on AVX-512-bf16 here, or another
-        process), and timing each size in a block of its own put a whole phase on one size (issue
-        #18: t(1) read 132-178 ms on the Qwen 1.5B where plain decoding ran at 129-165, and the
-        controller took drafting at 0.92x plain for a win). Sizes past 1 are two chains below the
-        root, so the tree mask is paid as in real drafts."""
-        from speculum.cache import crop
-
+        the model's context: see :func:`fitting`), the sizes interleaved (one forward of each size
+        per repetition, after one warm-up round). Interleaving matters: a CPU has slow phases of
+        seconds (bfloat16 on AVX-512-BF16, or another process), and timing each size in a block of
+        its own puts a whole phase on one size (a t(1) read in a slow phase makes drafting look like
+        a win where it is slower than plain decoding). Sizes past 1 are two chains below the root,
+        so the tree mask is paid as in real drafts."""
         prefix_ids, sizes = fitting(getattr(runner, "max_positions", None), prefix_ids, sizes)
         cache = runner.new_cache()
         runner.prefill(cache, prefix_ids[:-1])
@@ -228,7 +227,7 @@ class CostModel:
                 out.logits[0].argmax()  # the verifier reads at least the root's row
                 elapsed = time.perf_counter() - start
                 crop(cache, past)
-                if rep:  # the first pass warms every size up
+                if rep:  # the first round warms every size up
                     times[n].append(elapsed)
         return cls([(n, statistics.median(times[n])) for n in sizes])
 
@@ -275,8 +274,6 @@ def fitting(max_positions: int | None, prefix_ids: list[int], sizes: Sequence[in
 def two_branch_tree(ids: list[int], n: int):
     """An n-node tree (root included) of two chains below the root (a chain would take the cheaper
     causal path, which real trees do not)."""
-    from speculum.tree import TokenTree
-
     tokens = [ids[-1]] + [ids[i % len(ids)] for i in range(n - 1)]
     second = 1 + n // 2  # the second chain starts here (nodes 1..second-1 are the first)
     parents = [-1] + [0 if i in (1, second) else i - 1 for i in range(1, n)]
@@ -286,8 +283,9 @@ def two_branch_tree(ids: list[int], n: int):
 # ---------------------------------------------------------------------------------- the disk cache
 
 
-def cache_dir() -> Path:
-    """Where measured curves and row-padding verdicts are cached."""
+def costs_dir() -> Path:
+    """Where measured curves and row-padding verdicts are cached: ``costs/`` under
+    :func:`speculum.machine.cache_dir`."""
     return machine.cache_dir() / "costs"
 
 
@@ -296,10 +294,6 @@ def machine_key(runner, *, padding: bool = True) -> str:
     whether its LM head runs lazily, whether it is prepacked (and its small forwards padded or on the
     stock kernel, unless ``padding=False``: the key of that decision itself), the device, threads, the
     CPU (:func:`speculum.machine.cpu_identity`) and library versions."""
-    import transformers
-
-    from speculum.accel import dense_rows, min_rows
-
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     shape = {
@@ -350,7 +344,7 @@ def measured_cost_model(runner, prefix_ids: list[int] | None = None, *, refresh:
         return model
 
     verdict = machine.measured(
-        cache_dir() / f"{machine_key(runner)}.json",
+        costs_dir() / f"{machine_key(runner)}.json",
         VERSION,
         measure,
         CostModel.to_dict,

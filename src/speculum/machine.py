@@ -1,8 +1,8 @@
 """This machine: what tells it apart from others, how busy it is, and measurements cached for it.
 
 Three decisions are measured on the machine and cached on disk: the dtype of ``dtype="auto"``
-(:mod:`speculum.models.dtypes`), the row padding of small forwards (:mod:`speculum.accel`) and the cost
-curve of verification forwards (:mod:`speculum.costs`). They share what lives here:
+(:mod:`speculum.models.dtype_probe`), the row padding of small forwards (:mod:`speculum.row_padding`)
+and the cost curve of verification forwards (:mod:`speculum.costs`). They share what lives here:
 
 - :func:`cpu_identity`: the CPU's model name (from ``/proc/cpuinfo``, never ``platform.processor()``
   first: on Linux that prints the architecture, ``x86_64``, which two CPU models share), its flags, the
@@ -23,7 +23,8 @@ hovering near one threshold from measuring at every start. Where there is no loa
 every verdict is final, as before.
 
 This module imports nothing else of speculum but the file writer of :mod:`speculum.poolfile` (a leaf
-too): every module may use it.
+too): every module may use it. torch is imported inside the functions that ask it, so that this leaf
+stays cheap to import where only the cache directory or the load is needed.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ T = TypeVar("T")
 
 
 def cache_dir() -> Path:
-    """Root of speculum's cache: ``$SPECULUM_CACHE`` or ``~/.cache/speculum``."""
+    """Root of speculum's cache: ``$SPECULUM_CACHE`` or ``~/.cache/speculum``. It holds ``dtype/`` (the
+    dtype probe's timings), ``costs/`` (cost curves and row-padding verdicts), ``models/`` (GGUF files
+    converted to checkpoints) and ``gguf/`` (packaged models' GGUF files, assembled while converting)."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "speculum"
 
@@ -93,7 +96,7 @@ def cpu_identity() -> dict[str, Any]:
     if not name and parts:
         name = " ".join(f"{k}={v}" for k, v in sorted(parts.items()))
     try:
-        import torch
+        import torch  # lazily: see the module docstring
 
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # pragma: no cover - old torch
@@ -117,7 +120,7 @@ def cpu_has_fast_bf16() -> bool:
                     return bool(flags & {"avx512_bf16", "amx_bf16"})
     except OSError:
         pass
-    import torch
+    import torch  # lazily: see the module docstring
 
     try:  # no /proc (macOS, Windows): fall back on the capability PyTorch dispatches to
         return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"  # pragma: no cover
@@ -128,7 +131,7 @@ def cpu_has_fast_bf16() -> bool:
 def native_bf16(device: Any) -> bool:
     """True when ``device`` computes bfloat16 natively (a CUDA GPU that supports it, or a CPU with
     AVX-512 BF16 / AMX)."""
-    import torch
+    import torch  # lazily: see the module docstring
 
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -201,7 +204,7 @@ def current_load(threads: int | None = None) -> Load:
     """The machine's load now; ``threads``: this process's compute threads (torch's by default)."""
     if threads is None:
         try:
-            import torch
+            import torch  # lazily: see the module docstring
 
             threads = torch.get_num_threads()
         except Exception:  # pragma: no cover - torch is always there in practice

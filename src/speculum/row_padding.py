@@ -1,10 +1,11 @@
 """Row padding: how a prepacked model's one- and two-token forwards run fastest on this machine.
 
-oneDNN's kernels for 1-2 rows can be slower than its kernel for 4 (on the AVX-512-BF16 EPYC measured,
-a one-token step of the Qwen2.5-Coder 1.5B cost more than a four-token one), while elsewhere the
-stock kernel over a dense copy of the weights is the fastest for those forwards. So the loaded model
-is timed all three ways once per machine, software and model shape, and the fastest is set on its
-packed layers (:func:`choose_row_padding`); the verdict is cached with :func:`speculum.machine.measured`.
+oneDNN's kernels for 1-2 rows can be slower than its kernel for 4 (on some AVX-512-BF16 CPUs a
+one-token step costs more than a four-token one), while elsewhere the stock kernel over a dense copy
+of the weights is the fastest for those forwards. So the loaded model is timed all three ways once
+per machine, software and model shape, and the fastest is set on its packed layers
+(:func:`choose_row_padding`); the verdict is cached with :func:`speculum.machine.measured`, beside
+the cost curves (:func:`speculum.costs.costs_dir`).
 """
 
 from __future__ import annotations
@@ -108,19 +109,19 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
     copy of the weights; set it on the model's packed layers, and say why.
 
     The forwards are timed through the engine's own runner after 64 cached positions, the ways
-    interleaved (a slow phase of the CPU then slows them alike), the median of ``reps`` kept; padding
-    or the stock kernel is chosen when the one- and two-token forwards together measure at least
-    ``PAD_MARGIN`` faster than as they are. The stock kernel is a candidate only where the dense
-    copies fit in memory (``DENSE_MEMORY_SHARE``): on the Intel Xeon (AVX-512, no bf16) measured here,
-    MKL ran a one-token step of the Qwen2.5-Coder 1.5B in 247 ms against oneDNN's packed 375 ms,
-    while verifying 8 tokens cost it 802 ms against 500 (issue #18, twenty-sixth pass), so the
-    verification forwards stay packed. Decided once per machine, software and model shape (cached
-    beside the cost model; a verdict taken while the CPU was busy is measured again at rest, see
-    :func:`speculum.machine.measured`), a few seconds for a 1.5B model. ``SPECULUM_ROW_PADDING=0`` turns both
-    off, ``=on`` pads and ``=dense`` uses the stock kernel without measuring, ``=refresh`` measures
-    again. The padded rows are zeros whose outputs are dropped, and plain decoding runs on the same
-    kernels as the forwards of its width in a speculative round; the stock and the packed kernel can
-    differ in the last bits of float32, as any two kernels do."""
+    interleaved (a slow phase of the CPU then slows them alike), the median of ``reps`` kept;
+    padding or the stock kernel is chosen when the one- and two-token forwards together measure at
+    least ``PAD_MARGIN`` faster than as they are. The stock kernel is a candidate only where the
+    dense copies fit in memory (``DENSE_MEMORY_SHARE``). Where MKL's stock kernel wins the one-token
+    step it loses the wider verification forwards to oneDNN's packed one (e.g. on an AVX-512 CPU
+    without bf16), so the verification forwards stay packed. Decided once per machine, software and
+    model shape (cached beside the cost model; a verdict taken while the CPU was busy is measured
+    again at rest, see :func:`speculum.machine.measured`), a few seconds for a 1.5B model.
+    ``SPECULUM_ROW_PADDING=0`` turns both off, ``=on`` pads and ``=dense`` uses the stock kernel
+    without measuring, ``=refresh`` measures again. The padded rows are zeros whose outputs are
+    dropped, and plain decoding runs on the same kernels as the forwards of its width in a
+    speculative round; the stock and the packed kernel can differ in the last bits of float32, as
+    any two kernels do."""
     model = runner.model
     if not any(isinstance(m, PackedLinear) for m in model.modules()):
         return RowPadding(1, "the model is not prepacked")
@@ -180,7 +181,7 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
     times: dict[str, list[float]] = {_label(width, mode): [] for mode in modes for width in (1, 2)}
     start = time.perf_counter()
     try:
-        for rep in range(reps + 1):  # the first pass warms every shape up
+        for rep in range(reps + 1):  # the first round warms every shape up
             for mode in modes if rep % 2 else reversed(modes):
                 _set_small_forwards(model, mode, keep_copies=True)
                 for width in (1, 2):
@@ -199,7 +200,7 @@ def _time_padding(runner, reps: int, budget_s: float) -> dict[str, float]:
 
 
 def _padding_path(runner):
-    return costs.cache_dir() / f"rows-{costs.machine_key(runner, padding=False)}.json"
+    return costs.costs_dir() / f"rows-{costs.machine_key(runner, padding=False)}.json"
 
 
 def _decode_padding(doc: dict) -> dict[str, float]:

@@ -175,9 +175,9 @@ class ModelRunner:
 
         Worth it where the head's cost grows with the number of rows: half precision on a CPU
         without native half-precision kernels (bf16 emulated, compute-bound: 8 rows cost ~8 times
-        one). A CPU with them (AVX-512 BF16, AMX) keeps 8 rows about as cheap as one, and
-        the rows computed one by one along the path cost each greedy n-gram round of Gemma 3 270M
-        20-35 ms more than plain decoding's forward (issue #18): measured once per process.
+        one). A CPU with them (AVX-512 BF16, AMX) keeps 8 rows about as cheap as one, and there
+        the rows computed one by one along the path would make each greedy n-gram round cost more
+        than plain decoding's forward: measured once per process.
         """
         half = self.dtype in (torch.bfloat16, torch.float16)
         if not (self.split_head and half and self.output_device.type == "cpu"):

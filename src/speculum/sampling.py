@@ -78,8 +78,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     An inverse-CDF draw from one uniform, in two levels: the block of ``SAMPLE_BLOCK`` tokens from
     the running sum of block masses, then the token inside it. Sums are in float64, so a token's
     chance is its probability to ~1e-12. ``torch.multinomial`` draws one exponential per token
-    instead: on a 262k vocabulary (Gemma 3) that took 4 ms on a 2-core CPU, 11% of a decode step,
-    against 0.07 ms here. A zero-probability token is never drawn.
+    instead, which over a 262k vocabulary (Gemma 3) costs a noticeable share of a CPU decode step;
+    this search costs a small fraction of that. A zero-probability token is never drawn.
     """
     probs = probs.reshape(-1)
     vocab = probs.numel()
@@ -112,7 +112,7 @@ class PositionNoise:
     up to 1 - TV(p, q), the rate of speculative sampling (at least (1 - TV)/(1 + TV) in one level:
     Daliri, Musco and Suresh 2024, "Coupling without communication and drafter-invariant
     speculative decoding"); a deterministic draft token x with p(x), as before. Two levels draw
-    ~1k numbers a position where one would draw the vocabulary (262k for Gemma 3: 7-10 ms).
+    ~1k numbers a position where one would draw the vocabulary (262k for Gemma 3: milliseconds).
     """
 
     def __init__(self, generator: torch.Generator):

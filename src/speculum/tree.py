@@ -20,7 +20,8 @@ import torch
 # The most draft nodes one forward verifies (below the root). A tree's masks and attention grow with
 # n x (past + n): options that could build a bigger tree are refused up front (every drafter checks
 # its worst case with ``check_tree_size``), and the tree builder drops nodes beyond it, for any
-# drafter. 1024 is 8x the largest tree any published method uses (Medusa's 64, LADE's 120 on GPUs).
+# drafter. 1024 is eight times the largest tree any published method uses (Medusa's 64, LADE's 120
+# on GPUs).
 MAX_DRAFT_NODES = 1024
 
 

@@ -17,7 +17,7 @@ hidden state only poorly, and on the Qwen pair it is the best single predictor o
 ``early=True`` (implies confidence_input) reads the hidden state that *produced* the candidate
 instead of the one where it is the input: the candidate is then scored as soon as it is drafted, so
 the draft can end right after a doubtful token instead of drafting one more, unscored, as the paper
-does. That matters where a draft forward costs a third of a target step (BENCHMARKS.md, SpecDec++).
+does. That matters where a draft forward costs a sizeable share of a target step (see docs/results.md).
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch import nn
 
 from speculum.errors import CheckpointError
+from speculum.poolfile import write_atomic
 
 CONFIG = "config.json"
 
@@ -67,10 +69,6 @@ def save_checkpoint(
 ) -> None:
     """Write ``directory/weights_name`` and ``directory/config.json`` (each atomically, the config
     last, with the weights' SHA-256). Floating tensors are stored as ``dtype`` (None: as they are)."""
-    from safetensors.torch import save
-
-    from speculum.poolfile import write_atomic
-
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -82,7 +80,7 @@ def save_checkpoint(
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[name] = tensor.contiguous()
-    blob = save(state)
+    blob = safetensors.torch.save(state)
     write_atomic(directory / weights_name, blob, what="checkpoint file", error=CheckpointError)
     config = {**config, "weights_sha256": hashlib.sha256(blob).hexdigest()}
     data = (json.dumps(config, indent=2) + "\n").encode()
@@ -94,8 +92,6 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a checkpoint written by :func:`save_checkpoint`: its config and its tensors (floating
     ones as float32). CheckpointError when it is missing, of another kind, or corrupt."""
-    from safetensors.torch import load
-
     directory = Path(directory)
     where = str(directory)
     try:
@@ -109,7 +105,7 @@ def load_checkpoint(
         raise CheckpointError(f"{where!r} is not a version-{version} {what} checkpoint")
     if hashlib.sha256(blob).hexdigest() != config.get("weights_sha256"):
         raise CheckpointError(f"{what} checkpoint {where!r} is corrupt (weights do not match config)")
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load(blob).items()}
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in safetensors.torch.load(blob).items()}
     return config, tensors
 
 

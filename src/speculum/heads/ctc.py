@@ -2,23 +2,22 @@
 
 ONE transformer layer predicts ``slots`` future frames at once (non-autoregressively; the released
 code drafts a greedy chain instead). Its inputs are what the loop has when a step begins: the
-target's last hidden states over the recent context (``memory``, the last one at position t-1)
-and the embedding of the root token (the target's own token at t, already committed). Each slot
-query is the fused (hidden state at t-1, root embedding) plus a learned slot embedding (and, with
-``slot_blocks``, the slot's own residual block over the fused state, as a Medusa head has: on the
-Qwen2.5-Coder 1.5B the slots otherwise stay near copies of each other, and the frames' distributions
-with them, and the module hardly learns; issue #20); the layer
-lets the slots attend to each other (no causal mask: they are predicted together) and to the
-memory. Each frame's output goes through the target's frozen LM head over the draft vocabulary
-(:mod:`speculum.heads.projection`) plus one extra logit: the CTC blank, a symbol of its own that
-is never a real token (the released code reuses token 0, ``<unk>``).
+target's last hidden states over the recent context (``memory``, the last one at position t-1) and
+the embedding of the root token (the target's own token at t, already committed). Each slot query is
+the fused (hidden state at t-1, root embedding) plus a learned slot embedding (and, with
+``slot_blocks``, the slot's own residual block over the fused state, as a Medusa head has: without
+them the slots stay near copies of each other, and the frames' distributions with them, and the
+module hardly learns); the layer lets the slots attend to each other (no causal mask: they are
+predicted together) and to the memory. Each frame's output goes through the target's frozen LM head
+over the draft vocabulary (:mod:`speculum.heads.projection`) plus one extra logit: the CTC blank, a
+symbol of its own that is never a real token (the released code reuses token 0, ``<unk>``).
 
-With ``refine`` (an experiment of issue #20, not in the paper), a second layer of the same shape
-reads the first pass's frames again with the embedding of each frame's top-1 choice added (the
-target's token embedding, or a learned one for the blank), so a frame sees what its neighbours
-chose, not only what they might choose: the released code gets the same from its autoregressive
-chain, one target-sized step per token; here it costs one more small layer for every frame at once.
-The first pass is trained with the same loss, so its choices stay meaningful.
+With ``refine`` (an experiment, not in the paper), a second layer of the same shape reads the first
+pass's frames again with the embedding of each frame's top-1 choice added (the target's token
+embedding, or a learned one for the blank), so a frame sees what its neighbours chose, not only what
+they might choose: the released code gets the same from its autoregressive chain, one target-sized
+step per token; here it costs one more small layer for every frame at once. The first pass is
+trained with the same loss, so its choices stay meaningful.
 
 Trained with torch's CTC loss against the target's next ``label_length`` tokens, so the frames
 may spread those tokens over the slots with blanks and repeats; at inference the CTC transform
@@ -31,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from speculum.accel import PackedLinear
 from speculum.heads.projection import DraftVocabProjection
 
 
@@ -109,8 +109,8 @@ class CTCDraftModule(nn.Module):
     def for_inference(self) -> bool:
         """Ready the module for drafting; returns whether it now drafts in bfloat16 (where the device
         computes it natively: see ``DraftVocabProjection.for_inference``). Elsewhere on a CPU, in
-        float32, the projection and the layer's matrices are prepacked for oneDNN: MKL's kernels
-        for 8-17 rows ran the layer in 5.8 ms on an AVX-512 Xeon without bf16 (issue #18)."""
+        float32, the projection and the layer's matrices are prepacked for oneDNN: MKL's kernels are
+        slow over the few rows (8-17) a draft runs (see :mod:`speculum.accel`)."""
         if self.projection.for_inference():
             self.to(torch.bfloat16)
             return True
@@ -193,8 +193,6 @@ class PackedDecoderLayer(nn.Module):
     is the same computation, written out. Outputs equal the stock layer's up to float rounding."""
 
     def __init__(self, layer: nn.TransformerDecoderLayer):
-        from speculum.accel import PackedLinear
-
         super().__init__()
         if not layer.norm_first or layer.activation is not nn.functional.gelu:
             raise ValueError("PackedDecoderLayer copies pre-norm GELU layers only")

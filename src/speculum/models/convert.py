@@ -75,6 +75,7 @@ def _assemble(entry: PackagedModel, dest_dir: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantise a GGUF file with transformers and save it as a float32 safetensors checkpoint in ``out_dir``."""
+    # lazily: accelerate and transformers' auto classes take a second to import, paid only by a conversion
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -166,6 +166,7 @@ def load_with_dtype_choice(
     float32 (prepacked when ``prepack``, as ``speculum.load`` does) against bfloat16 on the model's
     shapes from its config before loading it, once per machine and model (cached; see
     :func:`speculum.models.dtypes.choose_dtype`); the model is then loaded once, in the faster dtype."""
+    # lazily: transformers' auto classes take a second to import, which `import speculum` does not pay
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = _check_device(device)

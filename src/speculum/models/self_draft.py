@@ -59,7 +59,7 @@ def make_self_draft(model: Any, num_layers: int) -> Any:
         raise InvalidInputError(
             f"self-draft layer count must be between 1 and {total - 1} for this model, got {num_layers}"
         )
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # lazily: only self-drafts need accelerate
 
     config = copy.deepcopy(model.config)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,1 +1,1 @@
-"""Training pipelines for trained drafting parts (acceptance heads; later CTC drafters and Medusa heads)."""
+"""Training pipelines for trained drafting parts (SpecDec++ acceptance heads, Medusa heads, CTC drafters)."""

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from speculum.drafters.draft_model import fit_width
 from speculum.errors import CheckpointError, InvalidInputError
@@ -63,8 +64,6 @@ def make_data(spec, texts: list[TrainingText], settings: DataSettings, progress:
     ``confidence`` [N] (the draft's probability of its candidate, under the warping), ``candidate`` [N]
     (the drafted token) and ``text`` [N]
     (which text each row came from)."""
-    from tqdm.auto import tqdm
-
     if spec.draft_model is None:
         raise InvalidInputError("the acceptance head is trained for a draft model: load one (--draft)")
     if not 0.0 <= settings.mixing_ratio < 1.0:
@@ -147,7 +146,7 @@ def load_or_make_data(spec, texts, settings, cache: Path, regenerate: bool = Fal
 class TrainSettings:
     depth: int = 3  # D residual blocks (+ the output layer)
     w_rej: float = 6.0  # weight of rejections in the loss (the paper's 6)
-    epochs: int = 1  # more overfits at the documented data size (benchmarks/results/acceptance-head-sweep.md)
+    epochs: int = 1  # more overfits at the documented data size (docs/history/studies.md)
     lr: float = 1e-3
     batch_size: int = 256
     val_fraction: float = 0.1  # texts held out for validation
@@ -177,8 +176,6 @@ def train_head(
 ) -> tuple[AcceptanceHead, list[dict[str, float]]]:
     """Train (or resume) a head on ``data``; a checkpoint in ``out`` after every epoch. Returns the
     head and per-epoch metrics (train loss, validation loss, validation accuracy at 0.5)."""
-    from tqdm.auto import tqdm
-
     hidden, labels = data["hidden"], data["label"]
     train_mask, val_mask = split_by_text(data, settings.val_fraction, settings.seed)
     torch.manual_seed(settings.seed)

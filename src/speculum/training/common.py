@@ -6,7 +6,9 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 from speculum.errors import CheckpointError
 from speculum.poolfile import write_atomic
@@ -17,9 +19,6 @@ def cached_tensors(
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The tensors in ``cache`` when they were made with the same ``key``, else ``make()``'s, cached
     (atomically). Returns them and whether they came from the cache."""
-    from safetensors import safe_open
-    from safetensors.torch import save
-
     if cache.exists() and not regenerate:
         try:
             with safe_open(str(cache), "pt") as f:
@@ -29,14 +28,14 @@ def cached_tensors(
             pass
     data = make()
     cache.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(cache, save(data, metadata={"key": key}), what="training data file", error=CheckpointError)
+    write_atomic(
+        cache, safetensors.torch.save(data, metadata={"key": key}), what="training data file", error=CheckpointError
+    )
     return data, False
 
 
 def stored_key(cache: Path) -> str | None:
     """The key a :func:`cached_tensors` file was made with (None: unreadable, or none)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(cache), "pt") as f:
             return (f.metadata() or {}).get("key")
