@@ -107,7 +107,7 @@ def test_each_drafter_observes_the_step_in_its_own_numbering():
     a = _Fixed(Draft([5, 6], [-1, 0]))  # 5 -> 6
     b = _Fixed(Draft([7, 5, 8], [-1, -1, 1]))  # 7 ; 5 -> 8 (its 5 merges with a's)
     drafter = AutoDrafter.__new__(AutoDrafter)
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     drafter.parts = [_Part("a", a, a.draft), _Part("b", b, b.draft)]
     merged = drafter._merged()
@@ -202,7 +202,7 @@ def test_the_draft_models_sampled_chain_comes_first_and_takes_equal_tokens_in():
     an n-gram node holding its sampled token joined to it (its subtree below), other nodes after
     it, calibrated apart (they are tried against the residual)."""
     from speculum.controller import calibration_labels
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     q = torch.full((VOCAB,), 1.0 / VOCAB)
     ngram = _Fixed(Draft([5, 7, 9], [-1, 0, -1]))  # 5 -> 7 ; 9
@@ -229,7 +229,7 @@ def test_the_draft_model_and_heads_are_gated_apart():
     """Heads that stopped paying beside the draft model (T=1) stop running; the draft model does not."""
     from types import SimpleNamespace
 
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     drafter = AutoDrafter.__new__(AutoDrafter)
     drafter.options, drafter._gates = Options(), {}
@@ -252,7 +252,7 @@ def test_a_sampled_round_that_runs_the_draft_model_verifies_its_draft_alone():
     from it; without the draft model the others propose as before."""
     from types import SimpleNamespace
 
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     drafter = AutoDrafter.__new__(AutoDrafter)
     drafter.options, drafter._gates = Options(), {}
@@ -288,7 +288,7 @@ def test_a_draft_model_whose_catch_up_would_not_pay_sits_the_request_out():
     from types import SimpleNamespace
 
     from speculum.controller import CATCH_UP_PROBE_SHARE
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     drafter = AutoDrafter.__new__(AutoDrafter)
     drafter.options, drafter._gates = Options(), {}
@@ -339,7 +339,7 @@ def test_the_catch_up_rule_weighs_a_longer_memory_than_the_gates_last_window():
 def test_a_groups_round_without_it_is_estimated_on_the_same_round():
     """What heads brought in a round: the accepted path cut before their first own node (the target's
     token committed there instead), their drafting and their nodes' share of the forward saved."""
-    from speculum.drafters.auto import _Part
+    from speculum.drafters.merged_draft import Part as _Part
 
     ngram = _Fixed(Draft([5, 6], [-1, 0]))  # 5 -> 6
     heads = _Fixed(Draft([5, 7, 9], [-1, 0, -1]))  # 5 -> 7 ; 9 (its 5 is the n-gram's too)

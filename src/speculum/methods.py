@@ -8,7 +8,11 @@ import json
 import os
 from typing import Any
 
+import torch
+
+from speculum import machine
 from speculum.errors import ConfigFileError, InvalidInputError, UnknownMethodError
+from speculum.poolfile import write_atomic
 
 CONFIG_FORMAT = "speculum-config"
 CONFIG_VERSION = 1
@@ -37,37 +41,29 @@ def _frozen(value: Any) -> Any:
 
 
 # Whether the controller (speculum.controller) runs when a config does not say: it decides each
-# round whether drafting pays on this machine and which draft nodes to verify. On by default since
-# issue #18's figures (BENCHMARKS.md): with it every n-gram, lookahead and head method stayed
-# >= 0.99x plain on every report set (Gemma 3 270M), where Medusa and CTC ran at 0.66-0.92x without
-# it. preset="paper" turns it off (the published method).
+# round whether drafting pays on this machine and which draft nodes to verify. On by default: with
+# it no n-gram, lookahead or head method runs meaningfully slower than plain decoding, where heads
+# without it can, and draft_model gains by it too (without it, it can fall below plain decoding on
+# short requests; see docs/results.md). preset="paper" turns it off (the published method).
 DEFAULT_CONTROLLER = True
-# draft_model included since issue #18's twelfth pass: it had run without the controller (slower
-# with an earlier controller, bfloat16, 64 tokens), but on the tuning prompts (MT-bench 101-105,
-# MBPP 1-5; float32, 64 tokens) the controller now gives it 1.54x against 1.48x greedy and 1.45x
-# against 1.36x at T=1, and without it the method fell to 0.93x plain on WMT16 (BENCHMARKS.md).
 
 # The method of generate(), `speculum generate` and `speculum serve` when none is named.
 DEFAULT_METHOD = "auto"
 
 # Defaults measured on a class of machine. A method's Options hold the published settings (the
 # "paper" preset); on a device listed here the "machine" preset (the default) replaces them with
-# the setting measured best there, chosen on tuning prompts, never on the report sets (BENCHMARKS.md,
-# issue #18). A setting is one combination: when a config gives any of its parameters, the rest
+# the setting measured best there, chosen on tuning prompts, never on the report sets (see
+# docs/tuning.md). A setting is one combination: when a config gives any of its parameters, the rest
 # stay the published ones (a fixed length policy must not inherit a confidence stop's bound of 20).
 # A machine class ("cpu/avx2", see machine_class) listed here replaces its device's setting of each
 # method it names, whole.
 PRESETS = ("machine", "paper")
 MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
-        # `speculum tune --method ouroboros --dataset mbpp` (benchmarks/results/ouroboros-qwen-tuned.json)
-        # chose K=4, W=0 and context phrases; the chain stops on the draft's confidence and takes one
-        # pool guess, as tuned for T=1 (ouroboros-qwen-tuned-t1.json): greedy on the tuning prompts
-        # (MT-bench 101-105, MBPP 1-5; bfloat16, 64 tokens) that gave 1.46x plain against 1.30x for
-        # a fixed chain of 4 with two guesses (issue #18, eighteenth pass). The confidence stop is
-        # only a floor since the controller's chain stop (issue #18, twenty-first pass: 0.2 with it
-        # gave 1.34x against 0.4 without, 1.31x greedy, and 1.24x against 1.20x at T=1, on the tuning
-        # prompts with five translations added)
+        # `speculum tune --method ouroboros --dataset mbpp` chooses K=4, W=0 and context phrases; the
+        # chain stops on the draft's confidence and takes one pool guess, as tuned for T=1, which
+        # also beats a fixed chain of 4 with two guesses greedy. The confidence stop is only a floor:
+        # the controller's chain stop decides the depth above it (see docs/tuning.md)
         "ouroboros": {
             "num_speculative_tokens": 4,
             "window_size": 0,
@@ -76,38 +72,28 @@ MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
             "length_policy": "confidence",
             "confidence_threshold": 0.2,
         },
-        # the confidence stop: best on the SpecDec++ tuning prompts (issue #8, specdecpp-tune-front.md),
-        # at 0.8 until the controller's chain stop decided the depth (twenty-first pass: 0.5 with it,
-        # 1.17x against 0.8 without, 1.15x, at T=1 on the tuning prompts)
+        # the confidence stop, best on the SpecDec++ tuning prompts, as a floor: the controller's
+        # chain stop decides the depth above it
         "draft_model": {"length_policy": "confidence", "confidence_threshold": 0.5, "num_speculative_tokens": 20},
         # one Jacobi column (W=1, N=G=4) with the prompt's n-grams in the pool: LADE's 7x5x7 window
-        # and guess set cost more than they return on CPU verification, and so did W=N=G=4 (the
-        # setting until issue #18's thirty-third pass) on each class of CPU it was measured on. On the
-        # tuning prompts (MBPP 1-5, MT-bench 101-105, WMT16 21-25; Gemma 3 270M, 128 tokens), one
-        # column against W=N=G=4: AVX2, float32, 1.02/1.35/1.47x plain against 0.97/1.13/1.11x
-        # (issue18-gemma-avx2-fp32-lookahead-tuning-p24.md; W=2 1.02/1.29/1.44x; without the
-        # prompt's n-grams, 3x3x3 1.03/1.17/1.26x); AVX-512 without native bf16, float32,
-        # 1.05/1.43/1.59x against 0.91/1.30/1.23x (...-avx512-fp32-lookahead-tuning-p27.md);
-        # AVX-512 with native bf16, bfloat16, 1.38/1.59/1.93x against 0.99/1.32/1.49x greedy and
-        # 1.15x against 1.05x over the sets at T=1 (...-bf16-lookahead-tuning{,-t1}-p33.md). The
+        # and guess set cost more than they return on CPU verification, and so does W=N=G=4, on each
+        # class of CPU (AVX2, AVX-512 with and without native bf16; see docs/results.md). The
         # window's probes verify 3 nodes instead of 12; the guesses bring most accepted tokens
         "lookahead": {"window_size": 1, "ngram_size": 4, "guess_set_size": 4, "pool_from_prompt": True},
         # the likeliest output prefixes: chosen by `speculum tune` for the Qwen 1.5B module (mbpp), and
-        # more accepted tokens for Gemma's shipped module on its tuning prompts (issue #20)
+        # more accepted tokens for Gemma's shipped module on its tuning prompts
         "ctc": {"tree": "prefix"},
     },
     # A class of CPU whose measurements differ from the device's gets an entry here ("cpu/avx2":
-    # {...}); none does today: the one that did, lookahead on AVX2 and on AVX-512 without native
-    # bf16 (issue #18, twenty-fourth and twenty-seventh passes), won on the third class too and
-    # became the CPU setting.
+    # {...}); none does: a setting that wins on every class measured is the device's.
 }
 
 
 # Where a method's best setting differs for sampled requests (temperature > 0): what changes over the
 # device's setting above, for those requests only (the drafter of a sampled request is built with it).
 SAMPLED_MACHINE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    # (empty since issue #18's eighteenth pass: Ouroboros' T=1 setting, the confidence stop and one
-    # pool guess, won greedy too and became its one CPU setting)
+    # (empty: Ouroboros' T=1 setting, the confidence stop and one pool guess, wins greedy too, so it
+    # is its one CPU setting)
     "cpu": {},
 }
 
@@ -118,13 +104,9 @@ def machine_class(device_type: str | None) -> str:
     get_cpu_capability()``: "cpu/avx2", "cpu/avx512", ...; ``ATEN_CPU_CAPABILITY`` overrides it),
     with "_bf16" where an AVX-512 CPU computes bfloat16 natively ("cpu/avx512_bf16"),
     since what a tree of n nodes costs to verify against one token differs most between them
-    (BENCHMARKS.md, issue #18); elsewhere the device type itself."""
+    (see docs/results.md); elsewhere the device type itself."""
     if device_type != "cpu":
         return device_type or ""
-    import torch
-
-    from speculum import machine
-
     capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
     # native bfloat16 changes what runs (dtype="auto" picks it) and what a tree costs: its own class
     if capability.startswith("avx512") and "bf16" not in capability and machine.cpu_has_fast_bf16():
@@ -243,8 +225,6 @@ class SpeculativeConfig:
     def save(self, path: str | os.PathLike[str], **metadata: Any) -> None:
         """Write this configuration as a JSON config file (atomically), with ``metadata`` such as
         ``model``, ``draft`` and how it was tuned; ``load(config=...)``, ``generate`` and ``bench`` read it."""
-        from speculum.poolfile import write_atomic
-
         doc = {
             "format": CONFIG_FORMAT,
             "version": CONFIG_VERSION,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from speculum.errors import InvalidInputError
+from speculum.heads.acceptance import AcceptanceHead, bundled_heads
 from speculum.tree import MAX_DRAFT_NODES
 
 POLICIES = ("fixed", "heuristic", "confidence", "specdecpp", "oracle")
@@ -252,8 +253,6 @@ def policy_for(options, draft_model) -> LengthPolicy:
     """The length policy a drafter's options ask for; ``specdecpp`` loads its head for ``draft_model``."""
     head = None
     if options.length_policy == "specdecpp":
-        from speculum.heads.acceptance import AcceptanceHead, bundled_heads
-
         paths = [options.acceptance_head] if options.acceptance_head else bundled_heads(draft_model)
         if not paths:
             raise InvalidInputError(

@@ -20,8 +20,7 @@ Additions:
   * the draft length follows recent acceptance: full acceptance of the last draft -> K += 2 (up
     to ``num_speculative_tokens``), nothing accepted -> K halves, partial acceptance -> K stays
     (verifying a few more tokens costs little once weights are prepacked, and shrinking on
-    every partial acceptance lost long copy runs: replayed on 40 prompts, Gemma 3 est. speedup
-    2.05x -> 2.17x, Qwen 1.5B unchanged, see BENCHMARKS.md); K never drops below 1.
+    every partial acceptance would lose long copy runs; see docs/results.md); K never drops below 1.
   * a draft never continues past an EOS token.
   On text with nothing to copy the table rarely matches, so most steps are plain decode steps.
 - ``persist=True``: the table is kept across requests (``start`` adds each new prompt to it),

@@ -15,16 +15,17 @@ layers and an output layer as wide as the vocabulary) propose only while the rou
 have paid more per second than the same rounds would have without them (measured goodput against
 the round with their drafting, their nodes' share of the forward and the tokens only they brought
 taken out; explored again after a back-off of 1, 2, 4, ... rounds, as the controller does for
-drafting at all), the draft model and the heads each judged apart (``GATE_GROUPS``). A sampled round that runs the
-draft model verifies its draft alone: beside a sampled chain the others' nodes are tried only
-after the sample is rejected, where they rarely pay for their share of the forward. The proposals are
-merged into one draft, the draft model's chain first: a deterministic node (n-gram, heads) becomes
-one with an earlier node holding its token below the same parent (the draft model's, else the
-first drafter listed keeps it), sampled branches stay apart (each is an independent sample, which
-the verifier's multi-candidate rule needs), and every node remembers its drafter (``Draft.sources``): the
-controller calibrates each drafter's scores apart and prunes the merged tree to what pays on this
-machine, and the stats count accepted tokens by drafter. Each drafter then observes the step in its
-own numbering, as if it had drafted alone.
+drafting at all), the draft model and the heads each judged apart (``GATE_GROUPS``; the gates are
+in :mod:`speculum.drafters.model_gate`). A sampled round that runs the draft model verifies its
+draft alone: beside a sampled chain the others' nodes are tried only after the sample is rejected,
+where they rarely pay for their share of the forward. The proposals are merged into one draft
+(:mod:`speculum.drafters.merged_draft`), the draft model's chain first: a deterministic node
+(n-gram, heads) becomes one with an earlier node holding its token below the same parent (the
+draft model's, else the first drafter listed keeps it), sampled branches stay apart (each is an
+independent sample, which the verifier's multi-candidate rule needs), and every node remembers its
+drafter (``Draft.sources``): the controller calibrates each drafter's scores apart and prunes the
+merged tree to what pays on this machine, and the stats count accepted tokens by drafter. Each
+drafter then observes the step in its own numbering, as if it had drafted alone.
 
 Lossless as every method: the verifier decides, drafters only propose.
 """
@@ -32,37 +33,37 @@ Lossless as every method: the verifier decides, drafters only propose.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from speculum.controller import by_batch_size
-from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, TargetOutputs, check_options
+from speculum.drafters.base import Draft, DraftContext, Drafter, Outcome, Resources, check_options
+from speculum.drafters.merged_draft import Part, merge, outcome_for
 from speculum.drafters.model_gate import PRIOR_ACCEPTANCE, PRIOR_HEADS_GAIN, BatchRound, ModelGate
 from speculum.errors import InvalidInputError, SpeculumError
+from speculum.methods import SpeculativeConfig
 
 __all__ = ["AutoDrafter", "ModelGate", "Options"]
 
 CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "draft_model", "ouroboros")
 # what ``auto`` composes when ``drafters`` is not given (each where the loaded model has it). The draft
-# model runs as Ouroboros (its chain, with pool phrases checked by the draft and hung below it): on the
-# tuning prompts (MT-bench 101-105, MBPP; Qwen pair, 64 tokens) it took auto from 1.45x to 1.71x
-# plain at T=1 and from 1.60x to 1.78x greedy, keeping the heads (issue #18, eleventh pass)
+# model runs as Ouroboros (its chain, with pool phrases checked by the draft and hung below it): the
+# phrases add accepted tokens to the draft forwards the chain runs anyway, greedy and at T=1, with
+# the heads kept beside them (see docs/results.md)
 DEFAULT_CANDIDATES = ("anpd", "prompt_lookup", "medusa", "ctc", "ouroboros")
 # drafters that run the draft model (one of them at most: they would draft the same chain twice)
 DRAFT_MODEL_PARTS = ("draft_model", "ouroboros")
 # the ones whose drafting costs model forwards (a draft model; heads over the target's hidden state,
 # each with an output layer as wide as the vocabulary), each group behind a gate of its own: a group
 # runs while the rounds that ran it pay more per second than those that did not. Apart, because
-# one can pay where the other does not: at T=1 the Qwen 0.5B draft pays and the 1.5B's Medusa
-# heads beside it do not (their tokens are tried after the draft's sample is rejected, against what
-# is left of p: 7 of 142 accepted tokens, issue #18), while greedy both add
+# one can pay where the other does not: at T=1 a draft model can pay while heads beside it do not
+# (their tokens are tried after the draft's sample is rejected, against what is left of p, where
+# they are rarely accepted), while greedy both add
 GATE_GROUPS = {"draft_model": "draft model", "ouroboros": "draft model", "medusa": "heads", "ctc": "heads"}
 DRAFT_MODEL_GROUP = GATE_GROUPS["draft_model"]
 # a batch's catch-up (every row's backlog side by side, padded to the longest, under a tree mask)
-# per padded token against a lone prefill's, until the draft's clock has timed one (measured in
-# BENCHMARKS.md, issue #69's section)
+# per padded token against a lone prefill's, until the draft's clock has timed one (a measured
+# ratio, see docs/results.md)
 BATCH_CATCH_UP_PRIOR = 3.0
 
 
@@ -75,19 +76,18 @@ class Options:
     # the draft model's most tokens a round: it stops earlier on its own confidence, and the
     # controller verifies its chain as drafted (the standalone draft_model's machine default)
     draft_depth: int = 20
-    # the draft model's stop: it drafts on while its confidence in its next token is at least this
-    # (the standalone draft_model's machine default before the chain stop; draft_model and Ouroboros
-    # alone now stop at 0.5 and 0.2, the controller's chain stop deciding above that)
+    # the draft model's stop: it drafts on while its confidence in its next token is at least this.
+    # Higher than draft_model's and Ouroboros' own CPU settings (0.5 and 0.2), which are floors below
+    # the controller's chain stop; auto runs without the chain stop (see ``chain_stop``)
     draft_confidence: float = 0.8
     max_backoff: int = 32  # the draft model is tried again within this many rounds after it stopped paying
     # Ouroboros' phrase pool kept from one request to the next (its component 4); a server that keeps
     # pools per request (no --share-pools) turns it off, as it does for the method alone
     reuse_history: bool = True
     # true: the draft model's chain also ends where one more draft forward does not pay for itself,
-    # by auto's controller (controller.ChainStop). Off: on the tuning prompts it fired in a few
-    # rounds a request (auto's gates already keep the draft model to the rounds where it pays) and
-    # auto ran at 1.47x with it against 1.57x without, greedy, and 1.33x (draft_confidence 0.5)
-    # against 1.37x at T=1 (issue #18, twenty-first pass), where draft_model and Ouroboros gained
+    # by auto's controller (controller.ChainStop). Off: auto's gates already keep the draft model to
+    # the rounds where it pays, and there the stop fires in a few rounds a request and costs auto
+    # more than it saves, greedy and at T=1 (draft_model and Ouroboros alone gain by it)
     chain_stop: bool = False
 
     def __post_init__(self) -> None:
@@ -121,8 +121,6 @@ def _sub_config(name: str, options: Options):
     them), drafts up to ``num_speculative_tokens`` deep, the draft model up to ``draft_depth``,
     stopping on its own confidence."""
     depth, draft_depth = options.num_speculative_tokens, options.draft_depth
-    from speculum.methods import SpeculativeConfig
-
     params = {
         "anpd": {"num_speculative_tokens": depth, "tree": True},
         "prompt_lookup": {"num_speculative_tokens": depth},
@@ -152,14 +150,6 @@ def _sub_config(name: str, options: Options):
     return SpeculativeConfig(name, controller=False, **params)
 
 
-@dataclass
-class _Part:
-    name: str
-    drafter: Drafter
-    draft: Draft | None = None
-    nodes: list[int] = field(default_factory=list)  # index in the merged draft of each of this draft's nodes
-
-
 class AutoDrafter(Drafter):
     """Every available drafter, composed (see the module docstring)."""
 
@@ -170,7 +160,7 @@ class AutoDrafter(Drafter):
         self.options = options = Options() if options is None else options
         resources = resources or Resources()
         explicit = options.drafters is not None
-        self.parts: list[_Part] = []
+        self.parts: list[Part] = []
         skipped = []
         for name in options.names():
             if name in DRAFT_MODEL_PARTS and resources.draft_model is None:
@@ -187,16 +177,15 @@ class AutoDrafter(Drafter):
                     raise InvalidInputError(f"auto: {name}: {exc}") from None
                 skipped.append(name)
                 continue
-            self.parts.append(_Part(name, drafter))
+            self.parts.append(Part(name, drafter))
         if not self.parts:
             raise InvalidInputError("auto: no drafter is available for this model")
         self.skipped = skipped
         self.wants_hidden_states = any(p.drafter.wants_hidden_states for p in self.parts)
         # a sampled request samples by a noise where a part drafts by it (Ouroboros)
         self.samples_by_noise = any(p.drafter.samples_by_noise for p in self.parts)
-        # the draft model's chain is verified as its confidence stop drafted it: pruning it gave back
-        # tokens it had already paid for (Qwen pair, issue #18: auto 1.41x against draft_model's 1.57x
-        # on HumanEval, 222 nodes pruned); n-gram branches, phrases and head trees are still pruned
+        # the draft model's chain is verified as its confidence stop drafted it: pruning it gives back
+        # tokens whose drafting is already paid for; n-gram branches, phrases and head trees are pruned
         has_draft_model = bool(set(DRAFT_MODEL_PARTS) & set(self.names))
         self.whole_sources = frozenset({"draft_model"}) if has_draft_model else frozenset()
         # the model gates, one per group and batch size (a draft model that pays alone may not
@@ -245,7 +234,7 @@ class AutoDrafter(Drafter):
         learned = self._gates.setdefault(group or (self.groups[0] if self.groups else "draft model"), {})
         return by_batch_size(learned, rows, lambda: ModelGate(self.options.max_backoff))
 
-    def _runs(self, part: _Part) -> bool:
+    def _runs(self, part: Part) -> bool:
         """Whether ``part`` proposes this round (the cheap ones always, but for a sampled round
         that runs the draft model, which verifies its draft alone)."""
         if self._chain_alone:
@@ -257,10 +246,9 @@ class AutoDrafter(Drafter):
 
         A ``sampled`` round that runs the draft model verifies the draft model's draft alone: the
         other drafters' nodes beside its sampled chain are tried only once the target rejects the
-        sample, against what is left of p, and at T=1 they were rarely accepted there while their
-        drafting and their share of the forward made auto's draft-model rounds cost 0.56-0.67 s
-        against 0.38-0.47 s for ``draft_model``'s, for the same tokens (Qwen pair, MT-bench; issue
-        #18, twenty-fourth pass). The heads' gate does not learn from such a round."""
+        sample, against what is left of p, where at T=1 they are rarely accepted, while their
+        drafting and their share of the forward make the round dearer than ``draft_model``'s for
+        the same tokens. The heads' gate does not learn from such a round."""
         self._round_start = time.perf_counter()
         self._proposed = True
         self._chain_alone = sampled and used.get(DRAFT_MODEL_GROUP, False)
@@ -273,7 +261,7 @@ class AutoDrafter(Drafter):
         for part in self.parts:
             part.draft = None
 
-    def _drafted(self, part: _Part, draft: Draft | None, seconds: float) -> None:
+    def _drafted(self, part: Part, draft: Draft | None, seconds: float) -> None:
         """``part``'s proposal this round, and what drafting it cost this row (its catching up
         apart: the engine and the gates judge the round without it)."""
         part.draft = draft if draft is not None and len(draft) else None
@@ -384,52 +372,18 @@ class AutoDrafter(Drafter):
         return BatchRound(cost, rows, own, forwards * step, backlog * per_token, left, gain)
 
     @property
-    def _merge_order(self) -> list[_Part]:
+    def _merge_order(self) -> list[Part]:
         """The parts in the order their drafts are merged: the draft model's chain first, so its
         nodes come first among siblings. At T > 0 the verifier tries siblings in order, and an
-        n-gram or head token tried before the chain's own (accepted with the target's p(x)) led
-        down a short branch away from the chain, which the draft model alone would have followed
-        3-4 tokens deep (issue #18: auto's draft acceptance 16-21% at T=1 on the Qwen pair,
-        draft_model's 79-82%). Greedy, the chain then owns the nodes other drafters share with it,
-        so it stays whole (``whole_sources``)."""
+        n-gram or head token tried before the chain's own (accepted with the target's p(x)) would
+        lead down a short branch away from the chain, which the draft model alone follows several
+        tokens deep. Greedy, the chain then owns the nodes other drafters share with it, so it
+        stays whole (``whole_sources``)."""
         return sorted(self.parts, key=lambda part: part.name not in DRAFT_MODEL_PARTS)
 
     def _merged(self) -> Draft | None:
         """One draft of every part's (see the module docstring)."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[torch.Tensor | None] = []
-        scores: list[float | None] = []
-        sources: list[str] = []
-        first: dict[tuple[int, int], int] = {}  # (merged parent, token) -> the first merged node holding it
-        for part in self._merge_order:
-            part.nodes = []
-            draft = part.draft
-            if draft is None:
-                continue
-            # a part that says which of its sources to verify whole (Ouroboros: its chain, labelled
-            # the draft model's; its phrases apart) keeps its own labels; the others get their name
-            labels = draft.sources if part.drafter.whole_sources and draft.sources is not None else None
-            for j, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
-                above = -1 if parent < 0 else part.nodes[parent]
-                q = draft.q(j)
-                # a deterministic node may join a sampled one (see ``Draft``): exact here, where the
-                # draft model is the only sampled drafter and its chain is verified whole, so no
-                # sampled node's verification depends on its own token or on a later sibling's
-                node = first.get((above, token)) if q is None else None
-                if node is None:
-                    node = len(tokens)
-                    tokens.append(token)
-                    parents.append(above)
-                    probs.append(q)
-                    scores.append(draft.scores[j] if draft.scores is not None else None)
-                    sources.append(labels[j] if labels is not None else part.name)
-                    first.setdefault((above, token), node)
-                part.nodes.append(node)
-        if not tokens:
-            return None
-        sampled = any(q is not None for q in probs)
-        return Draft(tokens, parents, probs if sampled else None, scores, sources)
+        return merge(self._merge_order)
 
     def observe(self, ctx: DraftContext, outcome: Outcome) -> None:
         if self._proposed:  # the round's goodput, drafting and verification included
@@ -445,8 +399,8 @@ class AutoDrafter(Drafter):
                 gate.record(used, tokens, seconds, without, catch_up if used and group == DRAFT_MODEL_GROUP else 0.0)
             # alone, the round as it would have gone without every costly group that ran: the
             # controller judges asking by the better of the two, so heads that their gate is about
-            # to turn off do not take the n-gram drafters' rounds down with them (issue #18: auto
-            # took plain steps in 77% of GSM8K's rounds at T=1 on Gemma, where anpd alone took 2%)
+            # to turn off do not take the n-gram drafters' rounds down with them (judged with them,
+            # auto would take plain steps in most rounds where the n-gram drafters alone pay)
             ran = {group for group in self._deciding if self._used[group]}
             if "row_seconds" not in outcome.stats:  # alone: what a round of each group that ran looks like
                 for group in ran:
@@ -503,26 +457,9 @@ class AutoDrafter(Drafter):
         }
         return sum(1 for node in cheap if node < len(node_of) and node_of[node] >= 0)
 
-    def _outcome_for(self, part: _Part, outcome: Outcome) -> Outcome:
-        """The step as ``part``'s drafter would have seen it alone: its own node numbering, its own
-        share of the accepted path, its own nodes' target outputs."""
-        target = outcome.target
-        if part.draft is None or outcome.draft is None or target is None:
-            return Outcome([], [], outcome.next_token, 0, None, target)
-        own = {merged: j for j, merged in enumerate(part.nodes)}
-        nodes = []
-        for merged in outcome.accepted_nodes:
-            if merged not in own:
-                break
-            nodes.append(own[merged])
-        tree = target.tree
-        node_of = [tree.node_of[merged] if merged < len(tree.node_of) else -1 for merged in part.nodes]
-        view = TargetOutputs(
-            _NodeMap(node_of), target._logits, target._sampling, target.hidden_states, _known_argmax(target)
-        )
-        drafted = sum(1 for n in node_of if n >= 0)
-        accepted = [part.draft.tokens[j] for j in nodes]
-        return Outcome(accepted, nodes, outcome.next_token, drafted, part.draft, view)
+    def _outcome_for(self, part: Part, outcome: Outcome) -> Outcome:
+        """The step as ``part``'s drafter would have seen it alone (see :func:`outcome_for`)."""
+        return outcome_for(part, outcome)
 
     def finish(self, ctx: DraftContext) -> None:
         for part in self.parts:
@@ -550,15 +487,3 @@ def _size_ratio(draft, target) -> float:
     except (AttributeError, TypeError):
         return 0.5
     return min(max(draft_size / max(target_size, 1), 0.01), 1.0)
-
-
-class _NodeMap:
-    """What TargetOutputs reads of a tree: which tree node holds each draft node (-1: not verified)."""
-
-    def __init__(self, node_of: list[int]):
-        self.node_of = node_of
-
-
-def _known_argmax(target: TargetOutputs) -> list[int] | None:
-    """The target's argmax at every tree node when the verifier already computed it (no new work)."""
-    return target.__dict__.get("_tree_argmax")

@@ -204,6 +204,20 @@ class TargetOutputs:
             return torch.softmax(row.float(), dim=-1)
         return warp(row, self._sampling)[0]
 
+    def renumbered(self, node_of: list[int]) -> TargetOutputs:
+        """The same outputs for a drafter whose draft node j is held by tree node ``node_of[j]``
+        (-1: not verified), e.g. one drafter's share of a merged draft. Nothing is recomputed: an
+        argmax the verifier already computed for the tree is shared."""
+        argmax = self.__dict__.get("_tree_argmax")
+        return TargetOutputs(_NodeMap(node_of), self._logits, self._sampling, self.hidden_states, argmax)
+
+
+class _NodeMap:
+    """What TargetOutputs reads of a tree: which tree node holds each draft node (-1: not verified)."""
+
+    def __init__(self, node_of: list[int]):
+        self.node_of = node_of
+
 
 @dataclass
 class Outcome:
@@ -239,14 +253,14 @@ class Drafter:
     # was committed before the round, beyond the round's root (its prefill of the prompt when a
     # request starts, the tokens of plain rounds after a pause). That text is paid for once, not
     # again each round, so the controller and ``auto``'s gates judge a round without it (the
-    # stats' draft time keeps it). Issue #18: a 0.5B draft's prefill charged to one round made
-    # it look like a loss on short translations, and the back-off it started carried over.
+    # stats' draft time keeps it): a draft model's prefill charged to one round would make it
+    # look like a loss on short requests, and the back-off it started would carry over.
     catch_up_seconds: float = 0.0
     # Whether a sampled request without a seed should still sample by a PositionNoise (of fresh
     # entropy): set by drafters whose draft picks its tokens by that noise where the standard rule
     # would have a deterministic draft token accepted only with p(token) (Ouroboros' draft).
     # draft_model leaves it off: its chain, sampled from q, is accepted a little more often under
-    # speculative sampling's rule than by the noise (0.93-0.99 of it, BENCHMARKS.md issue #18).
+    # speculative sampling's rule than by the noise (see docs/results.md).
     samples_by_noise: ClassVar[bool] = False
 
     def check(self, sampling: SamplingParams) -> None:

@@ -24,7 +24,7 @@ LRU of capacity G, as LADE's ``token_map``); ``persist``/``pool_path`` keep it a
 
 Cost: the tree has W·(N-1) + G·(N-1) nodes (56 with LADE's defaults N=5, W=7, G=7). That is
 cheap on a GPU; on a CPU verification cost grows past ~8 tokens, so small windows pay better
-there (see the README).
+there (see docs/methods/lookahead.md).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ __all__ = ["PRIOR_ACCEPTANCE", "PRIOR_HEADS_GAIN", "BatchRound", "ModelGate", "R
 PRIOR_ACCEPTANCE = 0.7
 PRIOR_FORWARDS = 4.0
 PRIOR_HEADS_GAIN = 0.5 + 0.25 + 0.125
-SHAPE_SMOOTHING = 0.1
+SHAPE_SMOOTHING = 0.1  # weight of a round in RoundShape's averages (after the first ten)
 # a prediction must say the group wins by this share: running it wrongly costs the rows' catch-up
 # and a step or more, not running it wrongly a few percent
-PREDICTION_MARGIN = 0.15  # weight of a round in RoundShape's averages (after the first ten)
+PREDICTION_MARGIN = 0.15
 
 
 @dataclass

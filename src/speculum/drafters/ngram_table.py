@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import heapq
 import os
+import random
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from operator import itemgetter
@@ -362,9 +364,6 @@ class NgramTable:
 
 def _benchmark(n_tokens: int = 2000, vocab: int = 32000, seed: int = 0) -> None:
     """Simulate drafting on a sequence with copy-able spans; print µs per propose + update."""
-    import random
-    import time
-
     rng = random.Random(seed)
     prompt = [rng.randrange(vocab) for _ in range(n_tokens // 2)]
     seq = list(prompt)

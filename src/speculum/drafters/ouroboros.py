@@ -146,8 +146,8 @@ class OuroborosDrafter(Drafter):
     Options: ClassVar[type] = Options
     needs_draft_model = True
 
-    # the draft model's chain is verified as drafted (it has paid for each token; pruning it cost the
-    # tuned setting 1.60-1.81x -> 1.33-1.69x on HumanEval, issue #18); the controller prunes phrases
+    # the draft model's chain is verified as drafted (its drafting is already paid for, and pruning
+    # it would give back tokens it had bought); the controller prunes phrases
     whole_sources = frozenset({"draft_model"})
 
     def __init__(self, options: Options | None = None, resources: Resources | None = None):
