@@ -12,18 +12,9 @@ from typer.testing import CliRunner
 
 from speculum.bench import datasets as ds
 from speculum.bench.command import bench
+from speculum.bench.method_specs import MethodSpec, parse_method_spec, parse_methods, parse_value, split_method_specs
 from speculum.bench.report import summarize_records, to_markdown
-from speculum.bench.runner import (
-    BenchResult,
-    MethodSpec,
-    compare_tokens,
-    interleaved_order,
-    parse_method_spec,
-    parse_methods,
-    parse_value,
-    run_bench,
-    split_method_specs,
-)
+from speculum.bench.runner import BenchResult, compare_tokens, interleaved_order, run_bench
 from speculum.errors import InvalidInputError
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from speculum.drafters.auto import AutoDrafter  # noqa: E402
 from speculum.errors import InvalidInputError  # noqa: E402
 from speculum.methods import SpeculativeConfig  # noqa: E402
 from speculum.server import ServerSettings, create_app  # noqa: E402
-from speculum.server.worker import Output, Piece  # noqa: E402
+from speculum.server.output import Output, Piece  # noqa: E402
 
 from tiny_models import repetitive_prompt  # noqa: E402
 

@@ -22,8 +22,9 @@ from speculum.methods import SpeculativeConfig  # noqa: E402
 from speculum.runner import ModelRunner  # noqa: E402
 from speculum.sampling import SamplingParams  # noqa: E402
 from speculum.server import ServerSettings, create_app  # noqa: E402
+from speculum.server.jobs import Failed, Job, Started, Tokens  # noqa: E402
 from speculum.server.metrics import Metrics  # noqa: E402
-from speculum.server.worker import Failed, Job, Started, Tokens, Worker  # noqa: E402
+from speculum.server.worker import Worker  # noqa: E402
 from speculum.tree import Draft  # noqa: E402
 
 from helpers import build_drafter  # noqa: E402

@@ -258,7 +258,7 @@ def test_cli_tune_writes_a_config_that_generate_and_bench_accept(tmp_path, model
     res = cli.invoke(app, ["generate", PROMPTS[0], "--config", str(out), "--max-new-tokens", "6", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["stats"]["new_tokens"] == 6
-    from speculum.bench.runner import parse_method_spec
+    from speculum.bench.method_specs import parse_method_spec
 
     spec = parse_method_spec(str(out))
     assert spec.name == "anpd" and spec.params == config.all_params() and spec.label == str(out)

@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from speculum import accel, engine, row_padding
+from speculum import accel, engine, models, row_padding
 from speculum.controller import Controller
 from speculum.costs import CostModel, measured_cost_model
 from speculum.drafters.base import Resources
 from speculum.errors import InvalidInputError
 from speculum.methods import DEFAULT_METHOD, SpeculativeConfig
-from speculum.models import eos_token_ids, vocab_fingerprint
 from speculum.runner import ModelRunner
 from speculum.sampling import PositionNoise, SamplingParams
 from speculum.stats import Stats
@@ -73,9 +72,9 @@ class Speculum:
         self._controllers: dict[tuple, Controller] = {}  # (drafter key, sampled) -> its controller (what it learned)
         self._cost_model: CostModel | None = None
         self._vocab_key: str | None = None
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        # what generate() uses when no method is named: load(config=...) sets it
-        self.default_config = SpeculativeConfig(DEFAULT_METHOD)  # what generate() runs when no method is named
+        self.eos_token_ids = models.eos_token_ids(model, tokenizer)
+        # what generate() runs when no method is named: load(config=...) sets it
+        self.default_config = SpeculativeConfig(DEFAULT_METHOD)
 
     @property
     def vocab_size(self) -> int:
@@ -113,7 +112,7 @@ class Speculum:
     def vocab_key(self) -> str:
         """Identifies the tokenizer's vocabulary: saved n-gram/phrase pools are only reused under the same one."""
         if self._vocab_key is None:
-            self._vocab_key = vocab_fingerprint(self.tokenizer) if self.tokenizer is not None else self.name
+            self._vocab_key = models.vocab_fingerprint(self.tokenizer) if self.tokenizer is not None else self.name
         return self._vocab_key
 
     def drafter_for(self, config: SpeculativeConfig, sampled: bool = False):
@@ -458,7 +457,7 @@ def load(
     for ``"disk"``) splits a big target over several devices; the draft goes on ``draft_device``.
     ``prepack`` ("auto": where supported, i.e. float32 on CPU, and bfloat16 on a CPU that computes it
     natively) reorders linear weights once for oneDNN, which makes verifying a few tokens cost about
-    one decode step, and a bfloat16 step ~30% cheaper (see ``speculum.accel``).
+    one decode step, and makes a bfloat16 step cheaper too (see ``speculum.accel``).
     ``config``: a method config (or the path of a config file from ``speculum tune --out``) that
     ``generate()`` then uses when no method is named; ``model`` and ``draft`` default to the ones
     the file names.
@@ -468,8 +467,6 @@ def load(
     Prepacked models' one- and two-token forwards are padded to 4 rows where that measures faster
     (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.row_padding.choose_row_padding``).
     """
-    from speculum import models
-
     if config is not None:
         config = SpeculativeConfig.coerce(config)
         model = model or config.metadata.get("model")

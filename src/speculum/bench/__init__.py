@@ -5,16 +5,9 @@
 """
 
 from speculum.bench.datasets import DATASETS, Prompt, load_dataset, load_datasets, load_question_file
+from speculum.bench.method_specs import HF_METHODS, MethodSpec, parse_method_spec, parse_methods
 from speculum.bench.report import summarize, summarize_records, to_markdown, write_result
-from speculum.bench.runner import (
-    HF_METHODS,
-    BenchResult,
-    MethodSpec,
-    interleaved_order,
-    parse_method_spec,
-    parse_methods,
-    run_bench,
-)
+from speculum.bench.runner import BenchResult, interleaved_order, run_bench
 
 __all__ = [
     "DATASETS",

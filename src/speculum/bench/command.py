@@ -8,10 +8,15 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 
+from speculum.accel import is_packed
+from speculum.api import Speculum, load
 from speculum.bench.datasets import check_dataset_name, split_names
-from speculum.bench.runner import DEFAULT_METHODS, known_methods, parse_methods, run_bench
+from speculum.bench.method_specs import DEFAULT_METHODS, MethodSpec, known_methods, parse_methods
+from speculum.bench.report import machine_info, now_iso, print_markdown, write_result
+from speculum.bench.runner import run_bench
 from speculum.errors import SpeculumError
 from speculum.poolfile import write_atomic
 
@@ -140,21 +145,10 @@ def bench(
 ) -> None:
     """Benchmark decoding methods side by side on public prompt sets (speed, acceptance, losslessness)."""
     # everything that can be checked without a model is checked first
-    names = split_names(dataset) or split_names(DEFAULT_DATASETS)
     if resume and out is None:
         raise typer.BadParameter("--resume continues the run saved in --out: give --out", param_hint="'--resume'")
-    for name in names:
-        try:
-            check_dataset_name(name)
-        except SpeculumError as e:
-            raise typer.BadParameter(str(e), param_hint="'--dataset'") from None
-    try:
-        mspecs = parse_methods(methods, known_methods() or None)
-        for m in mspecs:  # parameters are checked by SpeculativeConfig before any model loads
-            if not m.is_transformers:
-                m.to_config()
-    except SpeculumError as e:
-        raise typer.BadParameter(str(e), param_hint="'--methods'") from None
+    names = _checked_datasets(dataset)
+    mspecs = _checked_methods(methods)
     settings = {  # what makes two runs the same run (run.json; --resume checks it)
         "model": model, "draft": draft, "dtype": dtype, "device": device, "datasets": names, "limit": limit,
         "max_new_tokens": max_new_tokens, "methods": methods, "compare_transformers": compare_transformers,
@@ -162,57 +156,19 @@ def bench(
         "check_lossless": check_lossless, "threads": threads, "prepack": prepack, "chat": chat,
     }  # fmt: skip
     previous, earlier = _earlier_run(out, settings) if resume else ([], None)
-
-    import torch
-
     if threads is not None:
         torch.set_num_threads(threads)
-
-    from speculum.bench.report import machine_info, now_iso, print_markdown, write_result
 
     command = shlex.join(["speculum", *sys.argv[1:]])
     meta = {"command": command, "date": now_iso(), "model": model, "draft": draft, "dtype_requested": dtype}
     if earlier is not None:
         meta["resumed"] = {"date": earlier.get("date"), "machine": earlier.get("machine"), "records": len(previous)}
-
-    try:
-        import speculum
-
-        kwargs = {"draft": draft, "dtype": dtype, "prepack": "auto" if prepack else False}
-        if device is not None:
-            kwargs["device"] = device
-        spec = speculum.load(model, **kwargs)
-        spec.pools_per_config = True  # methods compared on the same prompts never share a pool
-    except SpeculumError as e:
-        _fail(str(e))
-    meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
-    if getattr(spec, "dtype_choice", None) is not None:  # why this dtype (dtype="auto" measures on a CPU)
-        meta["dtype_choice"] = spec.dtype_choice.to_dict()
-    for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
-        if (padding := getattr(spec, name, None)) is not None:
-            meta[name] = {"rows": padding.rows, "dense_rows": padding.dense_rows, "reason": padding.describe()}
-    from speculum.accel import is_packed
-
-    meta["prepacked"] = is_packed(spec.model)
-    meta["device"] = str(getattr(spec.model, "device", device or "?"))
-    meta["machine"] = machine_info()
+    spec = _load_model(model, draft, dtype, device, prepack, meta)
 
     records_file = None
     on_prompt = None
     if out is not None:
-        if not resume and (out / "records.jsonl").exists():
-            typer.echo(f"{out} holds an earlier run's records: replacing them (--resume would continue it)", err=True)
-        run_file = {"settings": settings, "date": meta["date"], "machine": meta["machine"]}
-        if earlier is not None:  # the run continued keeps its start and machine
-            run_file.update(date=earlier.get("date"), machine=earlier.get("machine"))
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            write_atomic(out / RUN_FILE, (json.dumps(run_file, indent=2) + "\n").encode(), what="run file")
-            # the earlier run's whole prompts, then this run's, one prompt at a time
-            write_atomic(out / "records.jsonl", "".join(json.dumps(r) + "\n" for r in previous).encode())
-            records_file = open(out / "records.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed below
-        except OSError as e:
-            _fail(f"cannot write the results to {out}: {e}")
+        records_file = _start_records(out, resume, settings, meta, earlier, previous)
 
         def on_prompt(recs: list[dict]) -> None:
             records_file.write("".join(json.dumps(r) + "\n" for r in recs))
@@ -250,3 +206,64 @@ def bench(
     if out is not None:
         paths = write_result(result, out, records=False)
         typer.echo(f"wrote {out / 'records.jsonl'}, {paths['summary_md']}, {paths['summary_json']}")
+
+
+def _checked_datasets(dataset: list[str] | None) -> list[str]:
+    names = split_names(dataset) or split_names(DEFAULT_DATASETS)
+    for name in names:
+        try:
+            check_dataset_name(name)
+        except SpeculumError as e:
+            raise typer.BadParameter(str(e), param_hint="'--dataset'") from None
+    return names
+
+
+def _checked_methods(methods: str) -> list[MethodSpec]:
+    try:
+        mspecs = parse_methods(methods, known_methods() or None)
+        for m in mspecs:  # parameters are checked by SpeculativeConfig before any model loads
+            if not m.is_transformers:
+                m.to_config()
+    except SpeculumError as e:
+        raise typer.BadParameter(str(e), param_hint="'--methods'") from None
+    return mspecs
+
+
+def _load_model(model: str, draft: str | None, dtype: str, device: str | None, prepack: bool, meta: dict) -> Speculum:
+    """The loaded model; ``meta`` gets what loading decided (dtype, row padding, prepacking) and the machine."""
+    try:
+        kwargs = {"draft": draft, "dtype": dtype, "prepack": "auto" if prepack else False}
+        if device is not None:
+            kwargs["device"] = device
+        spec = load(model, **kwargs)
+        spec.pools_per_config = True  # methods compared on the same prompts never share a pool
+    except SpeculumError as e:
+        _fail(str(e))
+    meta["dtype"] = str(getattr(spec.model, "dtype", dtype)).replace("torch.", "")
+    if getattr(spec, "dtype_choice", None) is not None:  # why this dtype (dtype="auto" measures on a CPU)
+        meta["dtype_choice"] = spec.dtype_choice.to_dict()
+    for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
+        if (padding := getattr(spec, name, None)) is not None:
+            meta[name] = {"rows": padding.rows, "dense_rows": padding.dense_rows, "reason": padding.describe()}
+    meta["prepacked"] = is_packed(spec.model)
+    meta["device"] = str(getattr(spec.model, "device", device or "?"))
+    meta["machine"] = machine_info()
+    return spec
+
+
+def _start_records(out: Path, resume: bool, settings: dict, meta: dict, earlier: dict | None, previous: list[dict]):
+    """Write the run file and the earlier run's records into ``out``; the records file, open for appending
+    this run's, one prompt at a time."""
+    if not resume and (out / "records.jsonl").exists():
+        typer.echo(f"{out} holds an earlier run's records: replacing them (--resume would continue it)", err=True)
+    run_file = {"settings": settings, "date": meta["date"], "machine": meta["machine"]}
+    if earlier is not None:  # the run continued keeps its start and machine
+        run_file.update(date=earlier.get("date"), machine=earlier.get("machine"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / RUN_FILE, (json.dumps(run_file, indent=2) + "\n").encode(), what="run file")
+        # the earlier run's whole prompts, then this run's, one prompt at a time
+        write_atomic(out / "records.jsonl", "".join(json.dumps(r) + "\n" for r in previous).encode())
+        return open(out / "records.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - the caller closes it
+    except OSError as e:
+        _fail(f"cannot write the results to {out}: {e}")

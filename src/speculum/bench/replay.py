@@ -6,8 +6,8 @@ it: a tree node is *on the reference path* when it and all its ancestors hold th
 at their positions, the target's argmax there is the next reference token, and the verifier reads
 only such nodes. So a deterministic drafter (n-gram, prompt lookup, a greedy draft model) gets,
 without a target forward, the very acceptance of a real greedy run (timings aside). Used for
-acceptance-only studies over many prompts and settings (``benchmarks/anpd_ablations.py``,
-``benchmarks/ouroboros_studies.py``, ``speculum tune``).
+acceptance-only studies over many prompts and settings (``speculum tune`` and the studies in
+docs/history/studies.md).
 
 Some drafters also read what the target predicted *off* that path: lookahead's Jacobi window and
 Ouroboros' verification phrases learn from the target's argmax at rejected nodes, which no record

@@ -21,8 +21,14 @@ import json
 import os
 import platform
 from collections.abc import Iterable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+import torch
+import transformers
+from rich.console import Console
+from rich.markdown import Markdown
 
 OVERALL = "overall"
 
@@ -49,25 +55,13 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
+    info["torch"] = torch.__version__
+    info["threads"] = torch.get_num_threads()
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # which machine defaults apply
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["transformers"] = transformers.__version__
     try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["threads"] = torch.get_num_threads()
-        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # which machine defaults apply
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-
         info["speculum"] = version("speculum")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         pass
@@ -293,9 +287,44 @@ def _low_precision(dtype: Any) -> bool:
 
 def to_markdown(summary: dict[str, Any]) -> str:
     meta = summary["meta"]
-    mach = meta.get("machine", {})
     baseline = summary.get("baseline")
     lines = ["# speculum bench", ""]
+    lines.extend(_run_lines(meta, baseline))
+    lines.append("")
+    for name, rows in summary["groups"].items():
+        if not rows:
+            continue
+        n = max(r["prompts"] for r in rows.values())
+        lines.append(f"## {name} ({n} prompts)")
+        lines.append("")
+        lines.extend(_table(rows, baseline))
+        lines.append("")
+    overall = summary["groups"].get(OVERALL, {})
+    if baseline and repeats_of(baseline, list(overall)):
+        lines.extend(_noise_floor(summary, baseline))
+    lines.extend(_controller_lines(overall))
+    lines.extend(_losslessness_lines(summary, overall))
+    for note in summary.get("notes", []):
+        lines.append(f"- note: {note}")
+    if summary.get("errors"):
+        lines.append("")
+        lines.append("## Errors")
+        lines.append("")
+        for m, e in summary["errors"].items():
+            lines.append(f"- `{m}`: {e}")
+    lines.append("")
+    lines.append(
+        "tokens/s = Σ new tokens / Σ wall time (prefill included); speedup = ratio of tokens/s to the baseline "
+        "(mean/prompt: mean of per-prompt ratios); mean acc. length = tokens per verification forward, bonus "
+        "token included (Σ accept_lengths / number of steps); draft acc. rate = Σ accepted / Σ drafted draft tokens."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _run_lines(meta: dict[str, Any], baseline: str | None) -> list[str]:
+    """The list of what ran: command, date, machine, model, prompts, baseline."""
+    mach = meta.get("machine", {})
+    lines = []
     if meta.get("command"):
         lines.append(f"- command: `{meta['command']}`")
     lines.append(f"- date: {meta.get('date', '')}")
@@ -327,69 +356,51 @@ def to_markdown(summary: dict[str, Any]) -> str:
         f"warm-up {meta.get('warmup')} per method; methods interleaved per prompt"
     )
     lines.append(f"- baseline: `{baseline}`" if baseline else "- baseline: none")
-    lines.append("")
-    for name, rows in summary["groups"].items():
-        if not rows:
-            continue
-        n = max(r["prompts"] for r in rows.values())
-        lines.append(f"## {name} ({n} prompts)")
-        lines.append("")
-        lines.extend(_table(rows, baseline))
-        lines.append("")
-    overall = summary["groups"].get(OVERALL, {})
-    if baseline and repeats_of(baseline, list(overall)):
-        lines.extend(_noise_floor(summary, baseline))
+    return lines
+
+
+def _controller_lines(overall: dict[str, dict]) -> list[str]:
+    """The controller's section, for the methods it ran (none: no section)."""
     controlled = {m: r for m, r in overall.items() if r.get("rounds_plain_pct") is not None or r.get("accepted_by")}
-    if controlled:
-        lines.append("## Controller (all prompts)")
-        lines.append("")
-        lines.append(
-            "| method | plain rounds % | controller time % of wall | draft nodes verified per forward "
-            "| accepted draft tokens by drafter |"
-        )
-        lines.append("|---|---:|---:|---:|---|")
-        for m, r in controlled.items():
-            by = ", ".join(f"{k} {v}" for k, v in sorted((r.get("accepted_by") or {}).items(), key=lambda kv: -kv[1]))
-            lines.append(
-                f"| `{m}` | {_f(r.get('rounds_plain_pct'), '.0f')} | {_f(r.get('control_pct'), '.2f')} "
-                f"| {_f(r.get('nodes_verified'), '.1f')} | {by or '–'} |"
-            )
-        lines.append("")
-    lines.append("## Losslessness")
-    lines.append("")
-    if meta.get("check_lossless") and baseline:
-        for m, r in overall.items():
-            if m == baseline or r["identical"] is None:
-                continue
-            mis = summary["mismatches"].get(m, [])
-            line = f"- `{m}`: {r['identical']}/{r['compared']} outputs identical to `{baseline}`"
-            if mis:
-                firsts = ", ".join(f"{x['dataset']}/{x['question_id']} at token {x['first_mismatch']}" for x in mis[:5])
-                line += f"; first mismatches: {firsts}" + (" …" if len(mis) > 5 else "")
-            lines.append(line)
-        if _low_precision(meta.get("dtype")):
-            lines.append(
-                f"- dtype {meta.get('dtype')}: batched verification and one-token decoding round differently, so "
-                "near-ties of the argmax can flip and a lossless method may still differ from the baseline; "
-                "check in float32 to tell a flip from a bug."
-            )
-    else:
-        lines.append("- not checked")
-    for note in summary.get("notes", []):
-        lines.append(f"- note: {note}")
-    if summary.get("errors"):
-        lines.append("")
-        lines.append("## Errors")
-        lines.append("")
-        for m, e in summary["errors"].items():
-            lines.append(f"- `{m}`: {e}")
-    lines.append("")
+    if not controlled:
+        return []
+    lines = ["## Controller (all prompts)", ""]
     lines.append(
-        "tokens/s = Σ new tokens / Σ wall time (prefill included); speedup = ratio of tokens/s to the baseline "
-        "(mean/prompt: mean of per-prompt ratios); mean acc. length = tokens per verification forward, bonus "
-        "token included (Σ accept_lengths / number of steps); draft acc. rate = Σ accepted / Σ drafted draft tokens."
+        "| method | plain rounds % | controller time % of wall | draft nodes verified per forward "
+        "| accepted draft tokens by drafter |"
     )
-    return "\n".join(lines) + "\n"
+    lines.append("|---|---:|---:|---:|---|")
+    for m, r in controlled.items():
+        by = ", ".join(f"{k} {v}" for k, v in sorted((r.get("accepted_by") or {}).items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"| `{m}` | {_f(r.get('rounds_plain_pct'), '.0f')} | {_f(r.get('control_pct'), '.2f')} "
+            f"| {_f(r.get('nodes_verified'), '.1f')} | {by or '–'} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _losslessness_lines(summary: dict[str, Any], overall: dict[str, dict]) -> list[str]:
+    meta, baseline = summary["meta"], summary.get("baseline")
+    lines = ["## Losslessness", ""]
+    if not (meta.get("check_lossless") and baseline):
+        return [*lines, "- not checked"]
+    for m, r in overall.items():
+        if m == baseline or r["identical"] is None:
+            continue
+        mis = summary["mismatches"].get(m, [])
+        line = f"- `{m}`: {r['identical']}/{r['compared']} outputs identical to `{baseline}`"
+        if mis:
+            firsts = ", ".join(f"{x['dataset']}/{x['question_id']} at token {x['first_mismatch']}" for x in mis[:5])
+            line += f"; first mismatches: {firsts}" + (" …" if len(mis) > 5 else "")
+        lines.append(line)
+    if _low_precision(meta.get("dtype")):
+        lines.append(
+            f"- dtype {meta.get('dtype')}: batched verification and one-token decoding round differently, so "
+            "near-ties of the argmax can flip and a lossless method may still differ from the baseline; "
+            "check in float32 to tell a flip from a bug."
+        )
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,9 +431,6 @@ def write_result(result, out_dir: str | Path, *, records: bool = True) -> dict[s
 
 def print_markdown(md: str) -> None:
     """Rendered with rich on a wide terminal; as plain markdown (readable and pasteable) on a narrow one."""
-    from rich.console import Console
-    from rich.markdown import Markdown
-
     console = Console()
     if console.width >= 160:
         console.print(Markdown(md))

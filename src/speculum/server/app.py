@@ -2,62 +2,48 @@
 events), /v1/models, /health, /metrics and the live page at /.
 
 ``create_app(spec)`` serves an already loaded :class:`~speculum.Speculum`; ``serve`` runs it under
-uvicorn (what ``speculum serve`` does). Requests run one at a time per model (see ``worker``).
+uvicorn (what ``speculum serve`` does). One worker per model runs the requests as rows of one batch
+(see ``worker``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import dataclasses
-import json
 import logging
-import secrets
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculum.api import Speculum
-from speculum.errors import InvalidInputError, SpeculumError, UnknownMethodError
+from speculum.errors import InvalidInputError, SpeculumError
 from speculum.methods import METHODS, SpeculativeConfig
+from speculum.server.jobs import Job
 from speculum.server.metrics import Metrics
+from speculum.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from speculum.server.protocol import (
-    MAX_STOP_LENGTH,
-    MAX_STOP_STRINGS,
     SERVER_ONLY_PARAMS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     Formatter,
     SamplingFields,
-    names_a_file,
-    speculation_stats,
-    timeout_error,
 )
-from speculum.server.worker import Failed, Finished, Job, Tokens, Worker, save_pools
+from speculum.server.responses import respond
+from speculum.server.validation import request_config, server_config, validation_api_error
+from speculum.server.worker import Worker, save_pools
 
 log = logging.getLogger("speculum.server")
-
-# A method parameter sent by a client may not exceed max(this, its default): a draft of a million
-# tokens or a window of a million columns would only exhaust the server.
-MAX_REQUEST_PARAM = 256
-
-# Method parameters that keep a drafter's pool from one request to the next, where every later
-# request (of any client) drafts from it.
-KEEPS_HISTORY = ("persist", "reuse_history")
 
 
 @dataclass
@@ -78,60 +64,142 @@ class ServerSettings:
     max_configs: int = 16  # method configurations whose drafters are kept (the server's own always)
 
 
-def server_config(config: SpeculativeConfig, share_pools: bool) -> SpeculativeConfig:
-    """``config`` as the server runs it: unchanged with ``share_pools``; otherwise with every pool kept
-    for one request only. A configuration that asks to keep one (persist, reuse_history, pool_path)
-    needs ``share_pools``: InvalidInputError otherwise."""
-    if share_pools:
-        return config
-    asked = [name for name in (*KEEPS_HISTORY, "pool_path") if config.params.get(name) not in (None, False)]
-    if asked:
-        raise InvalidInputError(
-            f"{asked[0]} keeps a pool of every request's text for later requests, shared by all clients; "
-            "this server keeps pools per request (speculum serve --share-pools shares them)"
-        )
-    options = config.options()
-    per_request = {name: False for name in KEEPS_HISTORY if getattr(options, name, False)}
-    return SpeculativeConfig.coerce(config, **per_request) if per_request else config
-
-
 def create_app(spec: Speculum, settings: ServerSettings | None = None, *, worker_thread: bool = True) -> FastAPI:
     """The app serving ``spec``; its worker runs the requests in a thread of its own started with the
     app, or with ``worker_thread=False`` wherever ``app.state.worker.run()`` is called (see ``serve``)."""
     settings = settings or ServerSettings()
-    model_name = settings.model_name or spec.name or "speculum"
-    default = server_config(spec.default_config, settings.share_pools)  # what requests naming no method run
-    metrics = Metrics()
-    worker = Worker(
-        spec,
-        metrics,
-        settings.max_queue,
-        max_batch=settings.max_batch,
-        prefill_chunk=settings.prefill_chunk,
-        max_configs=settings.max_configs,
-        default_config=default,
-        save_interval=settings.pool_save_interval,
+    served = Served.build(spec, settings)
+    app = FastAPI(
+        title="speculum", lifespan=_lifespan(served, worker_thread), docs_url=None, redoc_url=None, openapi_url=None
     )
-    page = (resources.files("speculum.server") / "static" / "index.html").read_text(encoding="utf-8")
-    started_at = int(time.time())
+    app.state.worker = served.worker
+    app.state.metrics = served.metrics
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, metrics=served.metrics)
+    if settings.api_key:  # added last: runs first, so a client without the key gets 401 before any reading
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=served.metrics)
+    _add_error_handlers(app, served.metrics)
+    _add_routes(app, served)
+    return app
+
+
+@dataclass
+class Served:
+    """What the handlers serve: the model under the name clients use, the configuration that requests
+    naming no method run, and the worker that runs every request."""
+
+    spec: Speculum
+    settings: ServerSettings
+    model_name: str
+    default: SpeculativeConfig
+    metrics: Metrics
+    worker: Worker
+    page: str  # the live page's HTML
+    started_at: int
+
+    @classmethod
+    def build(cls, spec: Speculum, settings: ServerSettings) -> Served:
+        default = server_config(spec.default_config, settings.share_pools)
+        metrics = Metrics()
+        worker = Worker(
+            spec,
+            metrics,
+            settings.max_queue,
+            max_batch=settings.max_batch,
+            prefill_chunk=settings.prefill_chunk,
+            max_configs=settings.max_configs,
+            default_config=default,
+            save_interval=settings.pool_save_interval,
+        )
+        page = (resources.files("speculum.server") / "static" / "index.html").read_text(encoding="utf-8")
+        model_name = settings.model_name or spec.name or "speculum"
+        return cls(spec, settings, model_name, default, metrics, worker, page, int(time.time()))
+
+    def model_card(self) -> dict:
+        """The one model of /v1/models, with what it speculates by default and what it can run."""
+        params = {k: v for k, v in self.default.all_params().items() if k not in SERVER_ONLY_PARAMS}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "speculum",
+            "max_model_len": self.spec.runner.max_positions,
+            "chat_template": bool(getattr(self.spec.tokenizer, "chat_template", None)),  # /v1/chat/completions works
+            "speculation": {
+                "default": {"method": self.default.method, **params},
+                "methods": list(METHODS),
+                "draft": self.spec.draft_name,
+            },
+        }
+
+    async def encode(self, prompt, param: str) -> list[int]:
+        """The prompt's token ids; ApiError 400 naming ``param`` when it cannot be encoded or is too long."""
+        try:
+            ids = await run_in_threadpool(self.spec.encode_prompt, prompt)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param=param) from None
+        except Exception as exc:  # the tokenizer's chat template refused the messages (a jinja error)
+            if param != "messages":
+                raise
+            raise ApiError(400, f"the chat template could not render the messages: {exc}", param=param) from None
+        context = self.spec.runner.max_positions
+        if context is not None and len(ids) >= context:
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return ids
+
+    async def generate(
+        self, body: SamplingFields, max_tokens: int | None, prompt_ids: list[int], request: Request, fmt: Formatter
+    ) -> Response:
+        """Queue the request's generation and answer with it, whole or streamed."""
+        job = self._job(body, max_tokens, prompt_ids)
+        self.worker.submit(job)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(job, request, fmt, len(prompt_ids), stream=body.stream, include_usage=include_usage)
+
+    def _job(self, body: SamplingFields, max_tokens: int | None, prompt_ids: list[int]) -> Job:
+        settings = self.settings
+        if body.model is not None and body.model != self.model_name:
+            message = f"the model {body.model!r} does not exist; this server serves {self.model_name!r}"
+            raise ApiError(404, message, param="model", code="model_not_found")
+        if max_tokens is None:
+            max_tokens = settings.default_max_tokens
+        if max_tokens > settings.max_tokens_limit:
+            raise ApiError(400, f"max_tokens may be at most {settings.max_tokens_limit}", param="max_tokens")
+        return Job(
+            prompt_ids=prompt_ids,
+            config=request_config(self.default, body.speculative_config, settings.share_pools),
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(0, body.top_k),
+            seed=body.seed,
+            stop=body.stop_strings(),
+            timeout=settings.request_timeout,
+            loop=asyncio.get_running_loop(),
+        )
+
+
+def _lifespan(served: Served, worker_thread: bool):
+    """Starts the worker with the app (unless the caller runs it), stops it at shutdown and saves the pools."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if worker_thread:
-            worker.start()
+            served.worker.start()
         yield
-        await run_in_threadpool(worker.stop)
-        for path in save_pools(spec, metrics):
+        await run_in_threadpool(served.worker.stop)
+        for path in save_pools(served.spec, served.metrics):
             log.info("saved pool %s", path)
 
-    app = FastAPI(title="speculum", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
-    app.state.metrics = metrics
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, metrics=metrics)
-    if settings.api_key:  # added last: runs first, so a client without the key gets 401 before any reading
-        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, metrics=metrics)
+    return lifespan
 
-    # ------------------------------------------------------------------ errors: OpenAI's body, never a traceback
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error is answered with OpenAI's error body, never a traceback."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -143,7 +211,7 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None, *, worker
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await api_error(request, _validation_api_error(exc))
+        return await api_error(request, validation_api_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -156,371 +224,42 @@ def create_app(spec: Speculum, settings: ServerSettings | None = None, *, worker
         log.exception("unexpected error")
         return JSONResponse(ApiError(500, "internal server error", type="server_error").body(), 500)
 
-    # ------------------------------------------------------------------ endpoints
 
+def _add_routes(app: FastAPI, served: Served) -> None:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
-        return HTMLResponse(page)
+        return HTMLResponse(served.page)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        params = {k: v for k, v in default.all_params().items() if k not in SERVER_ONLY_PARAMS}
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": started_at,
-            "owned_by": "speculum",
-            "max_model_len": spec.runner.max_positions,
-            "chat_template": bool(getattr(spec.tokenizer, "chat_template", None)),  # /v1/chat/completions works
-            "speculation": {
-                "default": {"method": default.method, **params},
-                "methods": list(METHODS),
-                "draft": spec.draft_name,
-            },
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [served.model_card()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):  # a list of one string
             prompt = prompt[0]
-        prompt_ids = await _encode(prompt, "prompt")
-        return await _generate(body, body.max_tokens, prompt_ids, request, Formatter(chat=False, model=model_name))
+        prompt_ids = await served.encode(prompt, "prompt")
+        return await served.generate(
+            body, body.max_tokens, prompt_ids, request, Formatter(chat=False, model=served.model_name)
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await _encode(messages, "messages")
+        prompt_ids = await served.encode(messages, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _generate(body, max_tokens, prompt_ids, request, Formatter(chat=True, model=model_name))
-
-    # ------------------------------------------------------------------ the request's way through
-
-    async def _encode(prompt, param: str) -> list[int]:
-        try:
-            ids = await run_in_threadpool(spec.encode_prompt, prompt)
-        except InvalidInputError as exc:
-            raise ApiError(400, str(exc), param=param) from None
-        except Exception as exc:  # the tokenizer's chat template refused the messages (a jinja error)
-            if param != "messages":
-                raise
-            raise ApiError(400, f"the chat template could not render the messages: {exc}", param=param) from None
-        context = spec.runner.max_positions
-        if context is not None and len(ids) >= context:
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens; this model's context is {context} tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return ids
-
-    async def _generate(body: SamplingFields, max_tokens, prompt_ids, request: Request, fmt: Formatter) -> Response:
-        if body.model is not None and body.model != model_name:
-            message = f"the model {body.model!r} does not exist; this server serves {model_name!r}"
-            raise ApiError(404, message, param="model", code="model_not_found")
-        if max_tokens is None:
-            max_tokens = settings.default_max_tokens
-        if max_tokens > settings.max_tokens_limit:
-            raise ApiError(400, f"max_tokens may be at most {settings.max_tokens_limit}", param="max_tokens")
-        job = Job(
-            prompt_ids=prompt_ids,
-            config=_request_config(default, body.speculative_config, settings.share_pools),
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k),
-            seed=body.seed,
-            stop=body.stop_strings(),
-            timeout=settings.request_timeout,
-            loop=asyncio.get_running_loop(),
+        return await served.generate(
+            body, max_tokens, prompt_ids, request, Formatter(chat=True, model=served.model_name)
         )
-        worker.submit(job)
-        watcher = asyncio.create_task(_watch(job, request))
-        try:
-            first = await _next_event(job)  # Started or Failed: an error still gets its status code
-            if isinstance(first, Failed):
-                raise first.error
-            if body.stream:
-                watcher.cancel()  # Starlette watches a streaming response's client itself
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(
-                    _sse(job, fmt, len(prompt_ids), include_usage),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                )
-            return JSONResponse(await _collect(job, fmt, len(prompt_ids)))
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it; the generation is cancelled
-        except BaseException:
-            job.cancel()
-            raise
-        finally:
-            watcher.cancel()
-
-    async def _collect(job: Job, fmt: Formatter, prompt_tokens: int) -> dict:
-        parts = []
-        while True:
-            event = await _next_event(job)
-            if isinstance(event, Tokens):
-                parts.append("".join(p.text for p in event.pieces))
-            elif isinstance(event, Finished):
-                return fmt.response("".join(parts), event.finish_reason, _usage(prompt_tokens, event), _stats(event))
-            elif isinstance(event, Failed):
-                raise event.error
-
-    async def _sse(job: Job, fmt: Formatter, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-        # A client that disconnects makes Starlette cancel this generator: ``finally`` cancels the job.
-        try:
-            if fmt.chat:
-                yield _event(fmt.chunk("", role=True))  # OpenAI's first chat chunk announces the role
-            while True:
-                event = await job.events.get()
-                if isinstance(event, Tokens):
-                    text = "".join(p.text for p in event.pieces)
-                    yield _event(fmt.chunk(text, speculation=_progress(event)))
-                elif isinstance(event, Finished):
-                    yield _event(fmt.chunk(None, event.finish_reason, speculation=_stats(event)))
-                    if include_usage:
-                        yield _event(fmt.usage_chunk(_usage(prompt_tokens, event)))
-                    break
-                elif isinstance(event, Failed):  # e.g. the time limit: the status line is sent already
-                    yield _event(event.error.body())
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()  # nothing left to stop when the generation has ended
-
-    return app
-
-
-class ClientGone(Exception):
-    """The client closed the connection while its request waited or ran."""
-
-
-@dataclass
-class Gone:
-    """Event: the client has gone (put by ``_watch``)."""
-
-
-async def _next_event(job: Job):
-    event = await job.events.get()
-    if isinstance(event, Gone):
-        raise ClientGone
-    return event
-
-
-async def _watch(job: Job, request: Request, every: float = 0.25) -> None:
-    """Until cancelled: cancel the job when its client disconnects, or when its time runs out while it
-    still waits in the queue (the worker would only notice when it reaches it)."""
-    while True:
-        await asyncio.sleep(every)
-        if await request.is_disconnected():
-            job.cancel()
-            job.events.put_nowait(Gone())
-            return
-        if not job.started and job.expired:
-            job.cancel("timeout")
-            job.events.put_nowait(Failed(timeout_error(job.timeout)))
-            return
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(prompt_tokens: int, event: Finished) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": event.num_tokens,
-        "total_tokens": prompt_tokens + event.num_tokens,
-    }
-
-
-def _stats(event: Finished) -> dict:
-    return speculation_stats(
-        event.method, event.stats, time_to_first_token=event.time_to_first_token, queue_time=event.queue_time
-    )
-
-
-def _progress(event: Tokens) -> dict:
-    """What a stream chunk says besides its text: each token's text and origin, and the live counts."""
-    return {
-        "tokens": [{"text": p.text, "source": p.source} for p in event.pieces],
-        "num_output_tokens": event.num_output_tokens,
-        "num_spec_steps": event.num_spec_steps,
-        "num_accepted_tokens": event.num_accepted_tokens,
-        "elapsed": round(event.elapsed, 4),
-    }
-
-
-def _request_config(default: SpeculativeConfig, raw: dict[str, Any] | None, share_pools: bool) -> SpeculativeConfig:
-    """The method a request asked for: the server's own configuration (and its pools) when it names
-    no parameter, else the method's defaults with the request's parameters on top."""
-    params = dict(raw or {})
-    method = params.pop("method", default.method)
-    if method == default.method and not params:
-        return default
-    if not isinstance(method, str) or SpeculativeConfig.is_file_reference(method):
-        raise ApiError(400, "speculative_config.method must be a method name", param="speculative_config.method")
-    for name, value in params.items():
-        if names_a_file(name, value):
-            raise ApiError(
-                400,
-                f"{name} names a file on the server: set it with speculum serve --param, not per request",
-                param=f"speculative_config.{name}",
-            )
-        if isinstance(value, (dict, list)):
-            raise ApiError(400, f"{name} must be a number, a boolean or a string", param=f"speculative_config.{name}")
-    try:
-        defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig(method).options())}
-    except UnknownMethodError as exc:
-        raise ApiError(400, str(exc), param="speculative_config.method", code="unknown_method") from None
-    # before the method's own checks, so that the error names the parameter that is too large
-    for name, value in params.items():
-        default_value = defaults.get(name)
-        limit = max(MAX_REQUEST_PARAM, default_value if isinstance(default_value, int) else 0)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-            raise ApiError(400, f"{name} may be at most {limit} here", param=f"speculative_config.{name}")
-    try:
-        config = SpeculativeConfig.coerce(method, **params)
-    except InvalidInputError as exc:
-        raise ApiError(400, str(exc), param="speculative_config") from None
-    try:
-        return server_config(config, share_pools)
-    except InvalidInputError as exc:
-        name = next(n for n in (*KEEPS_HISTORY, "pool_path") if n in params)
-        raise ApiError(400, str(exc), param=f"speculative_config.{name}") from None
-
-
-def _validation_api_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's 422 as OpenAI's 400, naming the field."""
-    error = exc.errors()[0]
-    # drop "body" and pydantic's union-member tags ("str", "list[int]", ...) from the location
-    loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(p)]
-    param = ".".join(loc) or None
-    kind = error.get("type", "")
-    if kind == "json_invalid":
-        detail = error.get("ctx", {}).get("error", "")
-        return ApiError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
-    if kind == "extra_forbidden":
-        return ApiError(400, f"unknown or unsupported field {param!r}", param=param, code="unknown_field")
-    if kind == "missing":
-        what = f"the field {param!r} is required" if param else "the request needs a JSON object body"
-        return ApiError(400, what, param=param)
-    if not param:
-        return ApiError(400, "the request body must be a JSON object (sent as Content-Type: application/json)")
-    top = loc[0]
-    if top in UNION_FIELDS and sum(1 for e in exc.errors() if top in e.get("loc", ())) > 1:
-        return ApiError(400, f"{top} must be {UNION_FIELDS[top]}", param=top)
-    return ApiError(400, f"{param}: {error.get('msg', 'invalid value')}", param=param)
-
-
-# fields with several accepted shapes: pydantic reports one error per shape, we say what is accepted
-UNION_FIELDS = {
-    "prompt": "a string, a list of token ids or a list of one string",
-    "stop": f"a string of 1 to {MAX_STOP_LENGTH} characters or a list of at most {MAX_STOP_STRINGS} such strings",
-    "content": "a string or a list of text parts",
-}
-
-
-def _is_type_tag(part) -> bool:
-    """pydantic's names of union members in an error location (str, list[int], constrained-str...)."""
-    return isinstance(part, str) and (
-        "[" in part or part.startswith("constrained-") or part in {"str", "int", "float", "bool", "list", "dict"}
-    )
-
-
-class BodyLimitMiddleware:
-    """A request body over ``limit`` bytes gets 413 before anything parses it: at once when its
-    Content-Length says so, else as soon as the bytes read pass the limit. A body within it is
-    handed on whole."""
-
-    def __init__(self, app, limit: int, metrics: Metrics):
-        self.app = app
-        self.limit = limit
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            await self._refuse(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending its body
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        pending = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        async def replay():  # the body once, then what the client does next (a disconnect)
-            nonlocal pending
-            if pending is None:
-                return await receive()
-            whole, pending = pending, None
-            return whole
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        self.metrics.rejected.labels("too_large").inc()
-        message = f"the request body is larger than this server's limit of {self.limit} bytes (--max-body-bytes)"
-        error = ApiError(413, message, code="request_too_large")
-        await JSONResponse(error.body(), 413)(scope, receive, send)
-
-
-class ApiKeyMiddleware:
-    """Every path but /health needs ``Authorization: Bearer KEY`` (or HTTP Basic with KEY as the
-    password, which lets a browser open the page: the browser asks once and resends it on fetches)."""
-
-    def __init__(self, app, key: str, metrics: Metrics):
-        self.app = app
-        self.key = key.encode()
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        self.metrics.rejected.labels("unauthorized").inc()
-        error = ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
-        challenge = 'Basic realm="speculum"' if scope["path"] == "/" else "Bearer"
-        response = JSONResponse(error.body(), 401, headers={"WWW-Authenticate": challenge})
-        await response(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, value = header.partition(b" ")
-        if scheme.lower() == b"bearer":
-            given = value.strip()
-        elif scheme.lower() == b"basic":
-            try:
-                given = base64.b64decode(value.strip(), validate=True).partition(b":")[2]
-            except (binascii.Error, ValueError):
-                return False
-        else:
-            return False
-        return secrets.compare_digest(given, self.key)
 
 
 def serve(
@@ -533,8 +272,6 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Run the app under uvicorn until interrupted (Ctrl-C / SIGTERM); pools with a path are saved then."""
-    import uvicorn
-
     app = create_app(spec, settings, worker_thread=False)
     # a streaming request still running at shutdown gets 5 s, then is cancelled (its pools still saved)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

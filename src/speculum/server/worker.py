@@ -1,7 +1,7 @@
 """One thread runs the generations of one model, as rows of one batch, from a bounded queue.
 
 The model and its drafters are not thread-safe, so one worker thread runs everything: continuous
-batching (issue #19). Up to ``max_batch`` requests decode together, one target forward per step
+batching. Up to ``max_batch`` requests decode together, one target forward per step
 carrying every row's draft (``engine.Batch``); a queued request joins between two steps, after its
 prefill, which runs ``prefill_chunk`` tokens at a time while other rows decode, so a long prompt
 holds the running streams for about a step at a time. Each row's tokens go to its request's
@@ -14,7 +14,6 @@ request still in flight or queued gets a 503, so that no handler waits for an ev
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import queue
@@ -28,198 +27,14 @@ from speculum.api import IncrementalText, Speculum
 from speculum.errors import SpeculumError
 from speculum.methods import SpeculativeConfig
 from speculum.sampling import SamplingParams
+from speculum.server.jobs import Failed, Finished, Job, Started, Tokens, internal_error, shutting_down
 from speculum.server.metrics import Metrics
+from speculum.server.output import Output, Piece
 from speculum.server.protocol import ApiError, timeout_error
-from speculum.stats import Stats
 
 log = logging.getLogger("speculum.server")
 
 STARVING = 2.0  # seconds after which a waiting prompt is prefilled before shorter ones
-
-
-@dataclass
-class Piece:
-    """The text of one output token and where the token came from."""
-
-    text: str
-    source: str  # "draft": an accepted draft token; "target": the target's own token (bonus or correction)
-    token: bool = True  # False for text that no token of its own carries (a decoding tail)
-
-
-class Output:
-    """The output text of one request as its tokens arrive, cut at the first stop string.
-
-    Text is handed out (``take``) only where no stop string can still begin: an end of the text
-    that a stop string starts with waits for the next tokens, so a client never receives text
-    that a stop string later takes back. Each step costs what its new text costs: every stop string
-    is followed by a matcher that reads each character once, never the whole output again.
-    """
-
-    def __init__(self, stop: list[str]):
-        self.stop = stop
-        self._matchers = [StopMatcher(s) for s in stop]
-        self.pieces: list[Piece] = []
-        self.length = 0  # characters of output text
-        self.shown = 0  # pieces handed out so far
-        self.shown_chars = 0
-        self.stopped = False  # a stop string was found
-        self.num_tokens = 0  # output tokens (up to the one that completed the stop string)
-
-    @property
-    def text(self) -> str:
-        return "".join(p.text for p in self.pieces)
-
-    def add(self, pieces: list[Piece]) -> None:
-        if self.stopped:
-            return
-        new = "".join(p.text for p in pieces)
-        begin = self.length
-        self.pieces.extend(pieces)
-        self.length += len(new)
-        self.num_tokens += sum(p.token for p in pieces)
-        hits = []  # (start, stop string) of each stop string's first occurrence
-        for matcher in self._matchers:
-            end = matcher.feed(new)
-            if end >= 0:
-                hits.append((begin + end - len(matcher.stop), matcher.stop))
-        if hits:
-            self._cut(*min(hits))
-
-    def _cut(self, at: int, stop: str) -> None:
-        """Keep the text before the stop string and the tokens up to the one that completed it."""
-        end, pos, kept, tokens = at + len(stop), 0, [], 0
-        for piece in self.pieces:
-            if pos >= end:
-                break
-            kept.append(Piece(piece.text[: max(0, at - pos)], piece.source, piece.token))
-            tokens += piece.token
-            pos += len(piece.text)
-        self.pieces, self.length, self.num_tokens, self.stopped = kept, at, tokens, True
-
-    def _pending_stop(self) -> int:
-        """Length of the longest end of the text that a stop string begins with (it may still complete)."""
-        return max((m.matched for m in self._matchers), default=0)
-
-    def take(self, final: bool = False) -> list[Piece]:
-        """The pieces that may be shown now (all of them once the output is complete)."""
-        limit = self.length if final or self.stopped else self.length - self._pending_stop()
-        out = []
-        while self.shown < len(self.pieces) and self.shown_chars + len(self.pieces[self.shown].text) <= limit:
-            out.append(self.pieces[self.shown])
-            self.shown_chars += len(self.pieces[self.shown].text)
-            self.shown += 1
-        return out
-
-
-class StopMatcher:
-    """Finds one stop string in text fed piece by piece (Knuth-Morris-Pratt): ``matched`` is the
-    longest beginning of the stop string that the text so far ends with."""
-
-    def __init__(self, stop: str):
-        self.stop = stop
-        # fallback[i]: the longest proper beginning of stop[: i + 1] that also ends it
-        self.fallback = [0] * len(stop)
-        k = 0
-        for i in range(1, len(stop)):
-            while k and stop[i] != stop[k]:
-                k = self.fallback[k - 1]
-            if stop[i] == stop[k]:
-                k += 1
-            self.fallback[i] = k
-        self.matched = 0
-
-    def feed(self, text: str) -> int:
-        """Read ``text``; the index in it just past the first complete stop string, or -1."""
-        stop, fallback, k = self.stop, self.fallback, self.matched
-        for i, char in enumerate(text):
-            while k and char != stop[k]:
-                k = fallback[k - 1]
-            if char == stop[k]:
-                k += 1
-                if k == len(stop):
-                    self.matched = 0  # the output ends here
-                    return i + 1
-        self.matched = k
-        return -1
-
-
-# ---------------------------------------------------------------------------------------- events
-
-
-@dataclass
-class Started:
-    """The generation began (the method's drafter exists, the parameters passed)."""
-
-
-@dataclass
-class Tokens:
-    pieces: list[Piece]
-    num_output_tokens: int  # committed so far (speculation progress: what the page shows live)
-    num_spec_steps: int
-    num_accepted_tokens: int  # of them, accepted draft tokens
-    elapsed: float  # seconds since the generation started
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    num_tokens: int  # output tokens (usage.completion_tokens)
-    stats: Stats
-    method: str
-    time_to_first_token: float | None
-    queue_time: float
-
-
-@dataclass
-class Failed:
-    error: ApiError
-
-
-def internal_error() -> ApiError:
-    return ApiError(500, "internal error while generating", type="server_error")
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-
-
-# ---------------------------------------------------------------------------------------- jobs
-
-
-@dataclass
-class Job:
-    """One request: what to generate, and the asyncio queue its events go to."""
-
-    prompt_ids: list[int]
-    config: SpeculativeConfig
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    timeout: float  # seconds from arrival, queueing included
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    cancel_reason: str = "cancelled"  # or "timeout": the handler gave up on a request still queued
-    started: bool = False  # the worker has taken it from the queue
-    arrival: float = field(default_factory=time.monotonic)
-
-    def emit(self, event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed (server shutting down): nobody is listening
-            pass
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        if not self.cancelled.is_set():
-            self.cancel_reason = reason
-            self.cancelled.set()
-
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() - self.arrival > self.timeout
 
 
 @dataclass
@@ -291,9 +106,8 @@ class Worker:
         """Run the requests in the calling thread until stopped (or until ``alive()`` turns false).
 
         ``speculum serve`` runs it in the thread that loaded the model: torch's OpenMP threads are
-        a team per calling thread, and once the loading thread has one, a second thread's team ran
-        the model 25-40% slower on the CPUs measured (issue #19: prefill 1,443 -> 866 tokens/s,
-        one row's decoding 35 -> 22 tokens/s for Gemma 3 270M in prepacked float32)."""
+        a team per calling thread, and once the loading thread has one, a second thread's team runs
+        the model markedly slower (see docs/batching.md)."""
         self._alive = alive
         self._loop()
 
@@ -428,8 +242,7 @@ class Worker:
         """Prefill joining requests, at most ``prefill_chunk`` tokens, and add those whose prefill is
         complete to the batch. Even with no row decoding the budget holds: a burst of requests
         then starts decoding its shortest prompts after the first chunk, instead of every request
-        waiting for the whole burst's prefill before its first token (issue #19: 16 requests at
-        once waited ~1 s of prefill each).
+        waiting for the whole burst's prefill before its first token.
 
         The prompt with the fewest tokens left goes first (the median time to first token is what
         clients wait on; a short prompt arriving during a long one's prefill overtakes it), except
