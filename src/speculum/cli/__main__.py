@@ -1,0 +1,5 @@
+"""``python -m speculum.cli``: the ``speculum`` command."""
+
+from speculum.cli import main
+
+main()
