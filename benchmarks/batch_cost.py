@@ -1,6 +1,6 @@
 """What a target forward costs with B rows of K new tokens each: t(B, K), the cost model batching needs.
 
-Two questions decide batched speculative decoding (issue #19) on a machine:
+Two questions decide batched speculative decoding on a machine:
 
 - **Batched plain decoding**: how much cheaper is one forward over B rows of one token than B
   forwards of one row? ``B * t(1, 1) / t(B, 1)`` is the most batching alone can give.

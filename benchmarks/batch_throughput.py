@@ -1,4 +1,4 @@
-"""Batched decoding throughput (issue #19): aggregate output tokens/s of B prompts decoded together.
+"""Batched decoding throughput: aggregate output tokens/s of B prompts decoded together.
 
 For each batch size B, in one run, methods interleaved per batch of prompts:
 

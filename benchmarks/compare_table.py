@@ -9,8 +9,8 @@ user gets). Efficiency = speedup / mean acceptance length (ANPD paper's measure)
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def main(path: str) -> None:
@@ -37,4 +37,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("summary", help="a bench run's summary.json")
+    main(parser.parse_args().summary)

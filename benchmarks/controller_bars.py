@@ -1,7 +1,7 @@
-"""Issue #18's bars, read from one bench run's summary.json: every method against plain decoding on
-each set (controller on and off), ``auto`` against the best single method, the controller's cost.
+"""From one bench run's summary.json: every method against plain decoding on each set (controller on
+and off), ``auto`` against the best single method, the controller's share of the wall time.
 
-    python benchmarks/controller_bars.py bench-out/i18/gemma-fp32/summary.json [--out table.md]
+    python benchmarks/controller_bars.py bench-out/gemma-fp32/summary.json [--out table.md]
 
 Speedups are ratios of tokens/s to speculum's ``autoregressive`` row of the same run (transformers'
 rows to ``hf_generate`` when the run has it, else to ``autoregressive``). "Best single" is the

@@ -18,7 +18,7 @@ import torch
 
 import speculum
 from speculum.bench.datasets import load_dataset
-from speculum.bench.runner import parse_method_spec
+from speculum.bench.method_specs import parse_method_spec
 from speculum.tune import prepare_prompts
 
 

@@ -5,12 +5,13 @@
 # the wheels of what its image lacks or holds in another version, e.g. here
 #   pip download --no-deps -d .whl transformers==5.24.0 gguf
 # then, through the device tool with carry [".whl"]:
-#   bash benchmarks/device_tests.sh 480 tests/test_sampling.py tests/test_auto.py ...
+#   bash tools/device_tests.sh 480 tests/test_sampling.py tests/test_auto.py ...
 # (seconds for pytest, then test files; default: the files below). The wheels go to a folder of
 # their own put first on PYTHONPATH, so the image's own versions cannot shadow them, and the
 # versions imported are printed. Each test's outcome is written as it ends (-v), so a run that the
 # lease cuts short still says which tests passed and which failed ($OUT/pytest.log, then a summary)
-# and why: each failure's traceback goes to $OUT/failures.log as the test ends.
+# and why: each failure's traceback goes to $OUT/failures.log as the test ends (the pytest plugin
+# tests/failures_as_they_happen.py, found through PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LIMIT=${1:-480}
@@ -25,7 +26,7 @@ mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target .pylib .whl/*.whl 2>&1 | grep -v "as the 'root' user" || true
 fi
-export PYTHONPATH=$PWD/.pylib:$PWD/src:$PWD/benchmarks FAILURE_LOG=$OUT/failures.log
+export PYTHONPATH=$PWD/.pylib:$PWD/src:$PWD/tests FAILURE_LOG=$OUT/failures.log
 # one CPU thread per worker: 16 workers of 16 threads each made the CPU-bound tests (the sampling
 # rule's 6,000 trials, the heads' training) overrun their timeout on the 16-core machine
 export OMP_NUM_THREADS=1

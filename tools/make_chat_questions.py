@@ -7,7 +7,7 @@ that ``speculum train ... --texts FILE.jsonl --generate N`` continues like any p
 categories are MT-bench's eight; the subjects are a fixed list below, each paired with four
 categories in turn, so the file is the same on every machine for the same model.
 
-    python benchmarks/make_chat_questions.py --model qwen2.5-coder-1.5b \
+    python tools/make_chat_questions.py --model qwen2.5-coder-1.5b \
         --out benchmarks/data/qwen2.5-coder-1.5b-chat-questions.jsonl
 """
 

@@ -1,7 +1,7 @@
 """Copy a trained acceptance head into the package (bfloat16 weights: half the size), where
 ``length_policy="specdecpp"`` finds it for its draft model without ``acceptance_head=``.
 
-    python benchmarks/ship_acceptance_head.py heads/qwen qwen2.5-coder-0.5b
+    python tools/ship_acceptance_head.py heads/qwen qwen2.5-coder-0.5b
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Copy trained Medusa heads or a CTC draft module into the package (bfloat16 weights: half the
 size), where ``method="medusa"`` / ``method="ctc"`` finds them for their target without ``heads=``.
 
-    python benchmarks/ship_draft_heads.py bench-out/heads/gemma-ctc gemma-3-270m-ctc --tree-nodes 24
+    python tools/ship_draft_heads.py bench-out/heads/gemma-ctc gemma-3-270m-ctc --tree-nodes 24
 """
 
 import argparse
