@@ -1,0 +1,1 @@
+"""speculum's drafters inside other serving engines (vLLM: :mod:`speculum.integrations.vllm`)."""

@@ -1,0 +1,339 @@
+"""speculum's drafters as vLLM ``custom_class`` proposers.
+
+vLLM (its V1 model runner, which the CPU build uses) builds the class named in
+``speculative_config.model`` with the ``VllmConfig`` and calls ``propose`` once per step with the
+tokens each row just sampled and every row's context; it verifies what comes back with its own
+rejection sampler. The proposers here drive speculum's drafters through their own protocol
+(``start``, ``propose``, ``observe``) row by row:
+
+- :class:`PromptLookup`: prompt lookup as transformers does it, ``max_matching_ngram_size`` = 2.
+- :class:`Anpd`: ANPD's adaptive multi-level n-gram table, one per request (or one shared by every
+  request with ``"shared_table": true``).
+- :class:`Auto`: both, one chain per row (the one the calibration expects to go furthest), cut by
+  the controller where the next token's calibrated chance no longer pays what it adds to vLLM's
+  step (see :mod:`speculum.integrations.vllm.step_cost`); a row whose drafts do not pay gets none.
+
+Options come through ``--additional-config '{"speculum": {...}}'`` (``VllmConfig.additional_config``):
+any option of the method's drafter (``speculum.drafters.anpd.Options`` and so on), plus
+``shared_table`` and ``max_requests`` (request states kept). A draft never changes vLLM's output:
+greedy texts equal vLLM's plain decoding, sampled ones follow the target's distribution (a token
+list carries no draft probabilities, so vLLM treats it as one-hot, which its rejection rule keeps
+exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+
+from speculum.controller.calibration import Calibration
+from speculum.drafters import anpd, prompt_lookup
+from speculum.drafters.base import DraftContext, Drafter, Outcome
+from speculum.drafters.ngram_table import NgramTable
+from speculum.errors import InvalidInputError
+from speculum.integrations.vllm.requests import RequestState, RequestStates
+from speculum.integrations.vllm.step_cost import StepCost
+from speculum.sampling import SamplingParams
+
+__all__ = ["Anpd", "Auto", "PromptLookup"]
+
+CONFIG_KEY = "speculum"  # the key of speculum's options in vLLM's additional_config
+PROBE_EVERY = 16  # a row proposes one token this often while none of its drafts pays, so calibration keeps learning
+_GREEDY = SamplingParams()
+
+
+def _config_value(config: Any, *path: str, default: Any = None) -> Any:
+    for name in path:
+        config = getattr(config, name, None)
+        if config is None:
+            return default
+    return config
+
+
+def _eos_ids(vllm_config: Any) -> frozenset[int]:
+    eos = _config_value(vllm_config, "model_config", "hf_config", "eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+class _Proposer:
+    """vLLM's ``custom_class`` protocol over speculum drafters; subclasses name the drafters."""
+
+    method: ClassVar[str] = ""
+    OWN_OPTIONS: ClassVar[dict[str, type]] = {"shared_table": bool, "max_requests": int}
+
+    def __init__(self, vllm_config: Any) -> None:
+        k = _config_value(vllm_config, "speculative_config", "num_speculative_tokens")
+        if not isinstance(k, int) or k < 1:
+            raise InvalidInputError(f"speculum.integrations.vllm: num_speculative_tokens must be >= 1, got {k!r}")
+        self.k = k
+        self.max_model_len = int(_config_value(vllm_config, "model_config", "max_model_len", default=1 << 62))
+        self.eos = _eos_ids(vllm_config)
+        options = dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {})
+        own = {name: options.pop(name) for name in list(options) if name in self.OWN_OPTIONS}
+        for name, kind in self.OWN_OPTIONS.items():
+            if name in own and (not isinstance(own[name], kind) or (kind is int and isinstance(own[name], bool))):
+                raise InvalidInputError(f"{self.method}: {name} must be {kind.__name__}, got {own[name]!r}")
+        self.shared_table = own.get("shared_table", False)
+        max_requests = own.get("max_requests", 256)
+        if max_requests < 1:
+            raise InvalidInputError(f"{self.method}: max_requests must be >= 1, got {max_requests}")
+        self.options = self._drafter_options(options)
+        self.requests = RequestStates(max_requests)
+        self.table = self._new_table() if self.shared_table else None
+        self.proposed_tokens = 0  # draft tokens handed to vLLM so far
+        self.steps = 0
+
+    # ------------------------------------------------------------------ vLLM's protocol
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the drafters here are model-free."""
+
+    def dummy_run(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to warm up."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """One list of draft tokens per row (at most ``num_speculative_tokens``), ``[]`` for a row
+        that sampled nothing this step (a prompt still being prefilled) or has no room left."""
+        started = time.perf_counter()
+        self._step_ended(started)
+        taken: set[int] = set()
+        rows: list[tuple[int, RequestState, list[tuple[str, list[int], list[float | None]]]]] = []
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        timed = True  # whether this step's time will be a decoding step's
+        for i, sampled in enumerate(sampled_token_ids):
+            if len(sampled) == 0:
+                timed = False
+                continue
+            n = int(num_tokens_no_spec[i])
+            room = min(self.k, self.max_model_len - n - 1)  # the accepted draft and vLLM's own token fit
+            if room < 1:
+                continue
+            tokens = np.asarray(token_ids_cpu[i, :n])
+            state, new = self.requests.claim(tokens, taken)
+            ctx = DraftContext(
+                tokens=tokens.tolist(),
+                prompt_length=n if new else state.data["prompt_length"],
+                sampling=_GREEDY,
+                generator=None,
+                max_depth=room,
+                eos_token_ids=self.eos,
+                wants_scores=True,
+            )
+            if new:
+                timed = False
+                self._start(state, ctx)
+            else:
+                self._observe(state, ctx, [int(t) for t in sampled])
+            rows.append((i, state, self._chains(state, ctx)))
+            state.moved_to(tokens)
+        for (i, state, _), (draft, meta) in zip(rows, self._choose([chains for _, _, chains in rows]), strict=True):
+            drafts[i] = draft
+            state.drafted = draft
+            state.data["meta"] = meta
+            self.proposed_tokens += len(draft)
+        self.steps += 1
+        self._step_started(started, sum(1 + len(d) for d in drafts) if timed and rows else None)
+        return drafts
+
+    # ------------------------------------------------------------------ per request
+
+    def _new_table(self) -> NgramTable:
+        o = self.options
+        return NgramTable(max_n=o.max_ngram_size, min_n=o.min_ngram_size, max_entries=o.max_entries)
+
+    def _drafter_options(self, options: dict) -> Any:
+        raise NotImplementedError
+
+    def _drafters(self) -> dict[str, Drafter]:
+        raise NotImplementedError
+
+    def _start(self, state: RequestState, ctx: DraftContext) -> None:
+        state.data["prompt_length"] = ctx.prompt_length
+        state.data["drafters"] = self._drafters()
+        state.data["drafts"] = {}
+        for drafter in state.data["drafters"].values():
+            drafter.start(ctx)
+
+    def _observe(self, state: RequestState, ctx: DraftContext, sampled: list[int]) -> None:
+        """What vLLM kept of the last step's draft: the row's new tokens are the accepted draft
+        tokens and one of the target's own."""
+        new_tokens = ctx.tokens[state.length :]
+        accepted = len(sampled) - 1
+        drafted = state.drafted
+        if not (new_tokens == sampled and accepted <= len(drafted) and sampled[:accepted] == drafted[:accepted]):
+            # not the step this state proposed for: learn nothing from it
+            accepted = None
+        for name, drafter in state.data["drafters"].items():
+            own = state.data["drafts"].get(name, [])
+            verified = _common_prefix(own, state.drafted) if accepted is not None else 0
+            kept = min(verified, _common_prefix(own, sampled[:-1]))
+            outcome = Outcome(own[:kept], list(range(kept)), next_token=sampled[-1], drafted=verified)
+            drafter.observe(ctx, outcome)
+        if accepted is not None:
+            self._learn(state, accepted)
+
+    def _learn(self, state: RequestState, accepted: int) -> None:
+        """What the controller learns from a verified draft (the plain proposers learn nothing)."""
+
+    def _chains(self, state: RequestState, ctx: DraftContext) -> list[tuple[str, list[int], list[float | None]]]:
+        chains = []
+        for name, drafter in state.data["drafters"].items():
+            draft = drafter.propose(ctx)
+            tokens = draft.tokens[: ctx.max_depth] if draft is not None else []
+            state.data["drafts"][name] = tokens
+            if tokens:
+                scores = list(draft.scores[: len(tokens)]) if draft.scores is not None else [None] * len(tokens)
+                chains.append((name, tokens, scores))
+        return chains
+
+    def _choose(self, chains: list[list[tuple[str, list[int], list[float | None]]]]) -> list[tuple[list[int], list]]:
+        """Each row's draft (and what the controller needs to learn from it): the one chain, whole."""
+        out = []
+        for row in chains:
+            if not row:
+                out.append(([], []))
+                continue
+            name, tokens, scores = row[0]
+            out.append((tokens, [(name, score, depth + 1) for depth, score in enumerate(scores)]))
+        return out
+
+    def _step_ended(self, now: float) -> None:
+        """A step of vLLM's ended (the plain proposers do not time it)."""
+
+    def _step_started(self, now: float, tokens: int | None) -> None:
+        """A step of vLLM's starts, verifying ``tokens`` (None: not a decoding step alone)."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _options(cls: type, method: str, given: dict, **fixed: Any) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - names - set(fixed))
+    if unknown:
+        allowed = ", ".join(sorted(names - set(fixed) - {"persist", "pool_path"}))
+        raise InvalidInputError(f"{method}: unknown option(s) {', '.join(unknown)}; options: {allowed}")
+    return cls(**{**given, **fixed})
+
+
+class PromptLookup(_Proposer):
+    """Prompt lookup (transformers' ``prompt_lookup_num_tokens``) as a vLLM proposer."""
+
+    method = "PromptLookup"
+    OWN_OPTIONS: ClassVar[dict[str, type]] = {"max_requests": int}
+
+    def _drafter_options(self, options: dict) -> prompt_lookup.Options:
+        return _options(prompt_lookup.Options, self.method, options, num_speculative_tokens=self.k)
+
+    def _drafters(self) -> dict[str, Drafter]:
+        return {"prompt_lookup": prompt_lookup.PromptLookupDrafter(self.options)}
+
+
+class Anpd(_Proposer):
+    """ANPD's adaptive multi-level n-gram table as a vLLM proposer (chains only: vLLM verifies no trees)."""
+
+    method = "Anpd"
+
+    def _drafter_options(self, options: dict) -> anpd.Options:
+        return _options(anpd.Options, self.method, options, num_speculative_tokens=self.k, tree=False)
+
+    def _drafters(self) -> dict[str, Drafter]:
+        return {"anpd": anpd.AnpdDrafter(self.options, table=self.table)}
+
+
+class Auto(_Proposer):
+    """ANPD and prompt lookup, one chain per row, each cut where it stops paying in vLLM's step.
+
+    Each draft token gets P(accepted | the one before was) from the calibration speculum's own
+    controller uses (by drafter, score and depth, learnt from what vLLM accepted), and the chance it
+    is reached is the product along the chain. A token is proposed while its reach pays what it
+    adds to the step: over all rows at once, tokens are taken by reach, best first, while the
+    expected tokens committed per second of the step still rise (t = a + b * tokens, learnt from
+    the time between calls).
+    """
+
+    method = "Auto"
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        self.calibration = Calibration()
+        self.cost = StepCost()
+
+    def _drafter_options(self, options: dict) -> anpd.Options:
+        pl = {name: options.pop(name) for name in list(options) if name == "max_matching_ngram_size"}
+        self.lookup_options = _options(prompt_lookup.Options, self.method, pl, num_speculative_tokens=self.k)
+        return _options(anpd.Options, self.method, options, num_speculative_tokens=self.k, tree=False)
+
+    def _drafters(self) -> dict[str, Drafter]:
+        return {
+            "anpd": anpd.AnpdDrafter(self.options, table=self.table),
+            "prompt_lookup": prompt_lookup.PromptLookupDrafter(self.lookup_options),
+        }
+
+    def _learn(self, state: RequestState, accepted: int) -> None:
+        for j, (name, score, depth) in enumerate(state.data.get("meta", [])):
+            if j > accepted:
+                break
+            self.calibration.update(score, depth, j < accepted, name)
+
+    def _reach(self, name: str, scores: list[float | None]) -> list[float]:
+        reach, r = [], 1.0
+        for depth, score in enumerate(scores, start=1):
+            r *= self.calibration.estimate(score, depth, name)
+            reach.append(r)
+        return reach
+
+    def _choose(self, chains: list[list[tuple[str, list[int], list[float | None]]]]) -> list[tuple[list[int], list]]:
+        best: list[tuple[str, list[int], list[float | None], list[float]] | None] = []
+        for row in chains:
+            scored = [(name, tokens, scores, self._reach(name, scores)) for name, tokens, scores in row]
+            best.append(max(scored, key=lambda c: (sum(c[3]), len(c[1]))) if scored else None)
+        # tokens by reach, best first, while each adds more committed tokens than its share of the step
+        active = len(chains)
+        expected, verified = float(active), active
+        keep = [0] * len(chains)
+        candidates = sorted(
+            ((reach, row, j) for row, c in enumerate(best) if c is not None for j, reach in enumerate(c[3])),
+            key=lambda x: (-x[0], x[1], x[2]),
+        )
+        for reach, row, j in candidates:
+            if j != keep[row]:  # its parent was not taken
+                continue
+            if reach <= self.cost.token_share(verified) * expected:
+                break
+            keep[row] = j + 1
+            expected += reach
+            verified += 1
+        out = []
+        for row, c in enumerate(best):
+            if c is None:
+                out.append(([], []))
+                continue
+            name, tokens, scores, _ = c
+            state_probe = keep[row] == 0 and self.steps % PROBE_EVERY == row % PROBE_EVERY
+            n = 1 if state_probe else keep[row]
+            out.append((tokens[:n], [(name, score, depth + 1) for depth, score in enumerate(scores[:n])]))
+        return out
+
+    def _step_ended(self, now: float) -> None:
+        self.cost.step_ended(now)
+
+    def _step_started(self, now: float, tokens: int | None) -> None:
+        self.cost.step_started(tokens, now)

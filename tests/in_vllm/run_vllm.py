@@ -1,0 +1,56 @@
+"""Run vLLM offline on a model and print its outputs as JSON (one process per engine: the tests
+compare engines without one's state reaching another's).
+
+    python tests/in_vllm/run_vllm.py MODEL_DIR PROMPTS_JSON [--spec CLASS] [--k 4] [--temperature 0]
+        [--n 1] [--max-tokens 32] [--seed 0] [--options JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn needed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("prompts", help="JSON list of token-id lists")
+    parser.add_argument("--spec", default=None, help="a custom_class proposer's dotted path, or 'ngram'")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--options", default=None, help="speculum's options (additional_config's 'speculum')")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if args.spec:
+        spec = {"num_speculative_tokens": args.k}
+        spec.update({"method": "ngram", "prompt_lookup_max": 4} if args.spec == "ngram" else {"model": args.spec})
+        kwargs["speculative_config"] = spec
+    if args.options:
+        kwargs["additional_config"] = {"speculum": json.loads(args.options)}
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=args.seed,
+        gpu_memory_utilization=0.15,  # on the CPU backend: the share of memory for the KV cache
+        **kwargs,
+    )
+    params = SamplingParams(temperature=args.temperature, n=args.n, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(args.prompts)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    print("RESULT " + json.dumps([[list(c.token_ids) for c in o.outputs] for o in outputs]))
+
+
+if __name__ == "__main__":
+    main()

