@@ -16,7 +16,7 @@ With ``refine`` (an experiment, not in the paper), a second layer of the same sh
 pass's frames again with the embedding of each frame's top-1 choice added (the target's token
 embedding, or a learned one for the blank), so a frame sees what its neighbours chose, not only what
 they might choose: the released code gets the same from its autoregressive chain, one target-sized
-step per token; here it costs one more small layer for every frame at once. The first pass is
+step per token; here it costs one more small layer for every frame at once. The first stage is
 trained with the same loss, so its choices stay meaningful.
 
 Trained with torch's CTC loss against the target's next ``label_length`` tokens, so the frames
@@ -81,8 +81,8 @@ class CTCDraftModule(nn.Module):
             self.slot_bias = nn.Parameter(torch.zeros(slots, hidden_size))
         self.layer = self._decoder_layer(zero_branches=slot_blocks)
         if refine:
-            # the second pass starts as the identity (its branches and its input's projection at zero):
-            # the refined frames start as the first pass's
+            # the refining stage starts as the identity (its branches and its input's projection at zero):
+            # the refined frames start as the first stage's
             self.refine_layer = self._decoder_layer(zero_branches=True)
             self.blank_embedding = nn.Parameter(torch.zeros(hidden_size))  # the blank's stand-in token embedding
             self.norm_choice = nn.LayerNorm(hidden_size)
@@ -149,8 +149,8 @@ class CTCDraftModule(nn.Module):
         """``memory [B, W, H]`` (W <= context, right-aligned: row -1 is position t-1), ``root_embedding
         [B, H]``, ``padding [B, W]`` (True: no hidden state there, e.g. before the text began) ->
         logits ``[B, slots, len(draft_vocab) + 1]``, the blank last. With ``refine``: ``embed`` maps
-        target token ids to the target's input embeddings (the first pass's choices), the logits
-        are the second pass's; ``every_pass``: the list of every pass's logits (training)."""
+        target token ids to the target's input embeddings (the first stage's choices), the logits
+        are the refining stage's; ``every_pass``: the list of every stage's logits (training)."""
         dtype = self.fuse.weight.dtype
         width = memory.shape[1]
         memory = (memory.to(dtype) - self.hidden_mean) / self.hidden_std

@@ -205,7 +205,7 @@ def to_draft_index(module, labels: torch.Tensor) -> torch.Tensor:
 
 
 def module_logits(module, batch: dict[str, torch.Tensor], embeddings, every_pass: bool = False):
-    """The module's logits for a batch; ``every_pass``: the list of every pass's (one but a refining
+    """The module's logits for a batch; ``every_pass``: the list of every stage's (one but a refining
     CTC module's), for the loss."""
     if isinstance(module, MedusaHeads):
         logits = module(batch["memory"][:, -1])  # [B, heads, vocab]
@@ -355,7 +355,7 @@ def train(
             targets = targets_of(module, batch)
             with autocast:
                 passes = module_logits(module, batch, embeddings, every_pass=True)
-            # every pass of a refining CTC module learns the labels (its first pass's choices stay meaningful)
+            # every stage of a refining CTC module learns the labels (its first stage's choices stay meaningful)
             loss = torch.stack([loss_of(module, logits, targets) for logits in passes]).mean()
             optimizer.zero_grad()
             loss.backward()
