@@ -123,6 +123,16 @@ def test_drafts_copy_repeated_text_and_respect_vllm_limits(cls):
     assert h.accepted / h.proposed > 0.8
 
 
+@pytest.mark.parametrize("cls", [Anpd, Auto])
+def test_summary_counts_what_was_proposed_and_accepted(cls):
+    proposer = cls(vllm_config())
+    h = Harness(proposer, [repetitive(offset=o) for o in (0, 100)]).run()
+    assert proposer.proposed_tokens == h.proposed
+    # the last step of each request is never seen again: its acceptance is not counted
+    assert h.accepted - 2 * K <= proposer.accepted_tokens <= h.accepted
+    assert f"{h.proposed} draft tokens proposed" in proposer.summary()
+
+
 @pytest.mark.parametrize("cls", [PromptLookup, Anpd, Auto])
 def test_rows_at_max_model_len_get_no_draft(cls):
     prompt, reference = repetitive(new=60)

@@ -24,6 +24,7 @@ exact).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, ClassVar
 
@@ -40,7 +41,10 @@ from speculum.sampling import SamplingParams
 
 __all__ = ["Anpd", "Auto", "PromptLookup"]
 
+log = logging.getLogger(__name__)
+
 CONFIG_KEY = "speculum"  # the key of speculum's options in vLLM's additional_config
+LOG_EVERY = 500  # steps between the lines a proposer logs of what it did
 PROBE_EVERY = 16  # a row proposes one token this often while none of its drafts pays, so calibration keeps learning
 _GREEDY = SamplingParams()
 
@@ -86,6 +90,7 @@ class _Proposer:
         self.requests = RequestStates(max_requests)
         self.table = self._new_table() if self.shared_table else None
         self.proposed_tokens = 0  # draft tokens handed to vLLM so far
+        self.accepted_tokens = 0  # of them, those vLLM accepted (as far as the next step showed)
         self.steps = 0
 
     # ------------------------------------------------------------------ vLLM's protocol
@@ -143,6 +148,8 @@ class _Proposer:
             state.data["meta"] = meta
             self.proposed_tokens += len(draft)
         self.steps += 1
+        if self.steps % LOG_EVERY == 0:
+            log.info("%s", self.summary())
         self._step_started(started, sum(1 + len(d) for d in drafts) if timed and rows else None)
         return drafts
 
@@ -181,7 +188,16 @@ class _Proposer:
             outcome = Outcome(own[:kept], list(range(kept)), next_token=sampled[-1], drafted=verified)
             drafter.observe(ctx, outcome)
         if accepted is not None:
+            self.accepted_tokens += accepted
             self._learn(state, accepted)
+
+    def summary(self) -> str:
+        """What this proposer did so far, in one line (logged every LOG_EVERY steps)."""
+        share = self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+        return (
+            f"speculum {self.method}: {self.steps} steps, {self.proposed_tokens} draft tokens proposed, "
+            f"{self.accepted_tokens} accepted ({share:.0%}), {len(self.requests)} requests kept"
+        )
 
     def _learn(self, state: RequestState, accepted: int) -> None:
         """What the controller learns from a verified draft (the plain proposers learn nothing)."""
@@ -331,6 +347,11 @@ class Auto(_Proposer):
             n = 1 if state_probe else keep[row]
             out.append((tokens[:n], [(name, score, depth + 1) for depth, score in enumerate(scores[:n])]))
         return out
+
+    def summary(self) -> str:
+        a, b = self.cost.fit()
+        cost = f"step {a * 1e3:.1f} ms + {b * 1e3:.2f} ms a token" if self.cost.measured else "step cost: prior"
+        return f"{super().summary()}; {cost} ({self.cost.steps} steps timed)"
 
     def _step_ended(self, now: float) -> None:
         self.cost.step_ended(now)
