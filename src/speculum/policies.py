@@ -258,7 +258,7 @@ def policy_for(options, draft_model) -> LengthPolicy:
             raise InvalidInputError(
                 "length_policy='specdecpp' needs acceptance_head=PATH: no head ships for this draft model "
                 "(speculum ships one for qwen2.5-coder-0.5b). Train one with `speculum train acceptance-head "
-                "--model TARGET --draft DRAFT --out DIR` and pass acceptance_head=DIR"
+                "--model TARGET --draft DRAFT --out DIR` and give acceptance_head=DIR"
             )
         device = next(draft_model.parameters()).device
         head = [AcceptanceHead.load(path, draft_model=draft_model).to(device) for path in paths]

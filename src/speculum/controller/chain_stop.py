@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from speculum.controller.core import Controller
+from speculum.controller.calibration import Calibration
 
 
 class ChainStop:
@@ -13,7 +12,7 @@ class ChainStop:
     should run one more forward this round, by the controller's own numbers: a forward costs
     ``step_seconds`` of drafting and the next node adds t(n + 2) - t(n + 1) to the verification; it
     gains that node's chance of being accepted, the reach of the chain so far (calibrated, as
-    :meth:`Controller.plan` computes it) times the calibrated acceptance of a node scored as the
+    :meth:`speculum.controller.Controller.plan` computes it) times the calibrated acceptance of a node scored as the
     last one. It is worth it while that gain per second beats the round's expected tokens per
     second so far. Reach only falls along a chain, so the first node that does not pay ends it.
 
@@ -24,10 +23,21 @@ class ChainStop:
     was drafted up to it, is a stopping time: sampled drafts stay exact (the token itself is kept;
     only whether another is drafted depends on it)."""
 
-    def __init__(self, controller: Controller, source: str):
-        self.calibration, self.cost, self.source = controller.calibration, controller.cost, source
-        self.optimistic = controller.probing  # a probe drafts as its drafter believes
-        self.base = controller.overhead  # seconds per round beyond the forward and the drafting
+    def __init__(
+        self,
+        calibration: Calibration,
+        cost: Callable[[int], float],
+        source: str,
+        *,
+        optimistic: bool = False,
+        overhead: float = 0.0,
+    ):
+        """The controller's ``calibration`` and cost model t(n), the chain's ``source``; ``optimistic``:
+        a probe round (it drafts as its drafter believes); ``overhead``: seconds per round beyond the
+        forward and the drafting."""
+        self.calibration, self.cost, self.source = calibration, cost, source
+        self.optimistic = optimistic
+        self.base = overhead
         self.reach = 1.0  # P(every chain node so far accepted)
         self.expected = 1.0  # committed tokens expected so far (bonus included)
         self.nodes = 0

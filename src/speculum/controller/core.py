@@ -182,7 +182,7 @@ class Controller:
     def chain_stop(self, source: str = "draft_model") -> ChainStop:
         """This round's stop for a chain drafted one forward at a time, its nodes labelled ``source``
         (every chain drafter's: see ``Draft.sources``)."""
-        return ChainStop(self, source)
+        return ChainStop(self.calibration, self.cost, source, optimistic=self.probing, overhead=self.overhead)
 
     # ------------------------------------------------------------------ what to verify
 

@@ -104,7 +104,7 @@ def resolve_draft_head(kind: str, path: str | os.PathLike[str] | None, target: n
             command = "ctc-drafter" if kind == "ctc" else "medusa"
             raise InvalidInputError(
                 f"no {kind} heads ship for this model: train them with `speculum train {command} --model MODEL "
-                f"--out DIR` and pass the directory (heads=DIR)"
+                f"--out DIR` and give the directory (heads=DIR)"
             )
     return load_draft_head(path, kind, target)
 

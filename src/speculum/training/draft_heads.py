@@ -92,7 +92,7 @@ class HeadSettings:
     # ones (EAGLE and CTC-drafter add uniform noise to theirs). 0: none
     noise: float = 0.0
     # ctc: a second layer re-reads the frames with each frame's top-1 choice embedded (an experiment:
-    # the frames otherwise cannot see what their neighbours chose); both passes learn the labels
+    # the frames otherwise cannot see what their neighbours chose); both stages learn the labels
     refine: bool = False
 
     @property
