@@ -16,7 +16,7 @@ the model itself loads (the model is then loaded once, in the chosen dtype):
   predicted cost per generated token over a mix of plain and speculative steps (see ``_blend``).
 
 This takes about a second for models of 0.3-1.5B parameters (besides the imports that loading
-needs anyway), with fewer repetitions once timing passes 2 s on a crowded CPU. The timings are
+needs anyway), with fewer repetitions once timing takes over 2 s on a crowded CPU. The timings are
 cached in ``<cache_dir>/dtype/`` (:func:`speculum.machine.cache_dir`), keyed by the CPU
 (:func:`speculum.machine.cpu_identity`: model name, flags, count), the torch and transformers
 versions, the thread count, prepacking and the model's shapes; a cache file that cannot be read is
