@@ -1,8 +1,9 @@
-"""Command line: ``speculum generate``, ``models``, ``tune``, ``serve``, ``bench`` and ``train``.
+"""Command line: ``speculum generate``, ``models``, ``tune``, ``serve``, ``bench``, ``train`` and ``diagnose``.
 
-One module per sub-command (``train`` holds its three); this module puts them on the typer app of
-:mod:`speculum.cli.common` in the order ``speculum --help`` lists them, and :func:`main` is the console
-entry point. Every error a user can cause ends in one line on stderr and exit code 2, never a traceback.
+One module per sub-command (``train`` holds its three, ``diagnose`` its one); this module puts them
+on the typer app of :mod:`speculum.cli.common` in the order ``speculum --help`` lists them, and
+:func:`main` is the console entry point. Every error a user can cause ends in one line on stderr and
+exit code 2, never a traceback.
 
 torch, the modules that load it or transformers (sampling, the tuner, the training loops, the model
 table) and the optional server extra are imported inside the commands that use them: the command line
@@ -15,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from speculum.bench.command import bench
-from speculum.cli import generate, models, serve, train, tune
+from speculum.cli import diagnose, generate, models, serve, train, tune
 from speculum.cli.common import app, err
 from speculum.errors import SpeculumError
 
@@ -25,6 +26,7 @@ app.command()(tune.tune)
 app.command()(serve.serve)
 app.command("bench")(bench)
 app.add_typer(train.train_app, name="train")
+app.add_typer(diagnose.diagnose_app, name="diagnose")
 
 
 def main() -> None:
