@@ -73,8 +73,12 @@ class LayoutResult:
     @property
     def origins(self) -> list[Difference]:
         """The differing modules whose input at the position was the reference's: where a new
-        difference starts, not where one flows through."""
-        return [d for d in self.differences if d.input_equal]
+        difference starts, not where one flows through (a module holding such a one is left out)."""
+        found: list[Difference] = []
+        for d in self.differences:
+            if d.input_equal and not any(o.name.startswith(d.name + ".") for o in found):
+                found.append(d)
+        return found
 
 
 @dataclass
