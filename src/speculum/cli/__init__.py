@@ -1,6 +1,7 @@
-"""Command line: ``speculum generate``, ``models``, ``tune``, ``serve``, ``bench``, ``train`` and ``diagnose``.
+"""Command line: ``speculum generate``, ``models``, ``tune``, ``serve``, ``bench``, ``train``, ``export``
+and ``diagnose``.
 
-One module per sub-command (``train`` holds its three, ``diagnose`` its one); this module puts them
+One module per sub-command (``train`` holds its three, ``export`` and ``diagnose`` one each); this module puts them
 on the typer app of :mod:`speculum.cli.common` in the order ``speculum --help`` lists them, and
 :func:`main` is the console entry point. Every error a user can cause ends in one line on stderr and
 exit code 2, never a traceback.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from speculum.bench.command import bench
-from speculum.cli import diagnose, generate, models, serve, train, tune
+from speculum.cli import diagnose, export, generate, models, serve, train, tune
 from speculum.cli.common import app, err
 from speculum.errors import SpeculumError
 
@@ -26,6 +27,7 @@ app.command()(tune.tune)
 app.command()(serve.serve)
 app.command("bench")(bench)
 app.add_typer(train.train_app, name="train")
+app.add_typer(export.export_app, name="export")
 app.add_typer(diagnose.diagnose_app, name="diagnose")
 
 
