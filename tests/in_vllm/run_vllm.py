@@ -2,7 +2,8 @@
 compare engines without one's state reaching another's).
 
     python tests/in_vllm/run_vllm.py MODEL_DIR PROMPTS_JSON [--spec CLASS] [--k 4] [--temperature 0]
-        [--n 1] [--max-tokens 32] [--seed 0] [--options JSON]
+        [--n 1] [--max-tokens 32] [--seed 0] [--options JSON] [--method NAME] [--metrics]
+        [--loader-config JSON]
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--options", default=None, help="speculum's options (additional_config's 'speculum')")
+    parser.add_argument("--method", default=None, help="speculative_config's method (e.g. medusa; --spec: its model)")
+    parser.add_argument("--metrics", action="store_true", help="also print vLLM's spec-decode counters")
+    parser.add_argument("--loader-config", default=None, help="vLLM's model_loader_extra_config (JSON)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -34,7 +38,11 @@ def main() -> None:
     if args.spec:
         spec = {"num_speculative_tokens": args.k}
         spec.update({"method": "ngram", "prompt_lookup_max": 4} if args.spec == "ngram" else {"model": args.spec})
+        if args.method:
+            spec["method"] = args.method
         kwargs["speculative_config"] = spec
+    if args.loader_config:
+        kwargs["model_loader_extra_config"] = json.loads(args.loader_config)
     if args.options:
         kwargs["additional_config"] = {"speculum": json.loads(args.options)}
     llm = LLM(
@@ -44,12 +52,16 @@ def main() -> None:
         enforce_eager=True,
         seed=args.seed,
         gpu_memory_utilization=0.15,  # on the CPU backend: the share of memory for the KV cache
+        disable_log_stats=not args.metrics,
         **kwargs,
     )
     params = SamplingParams(temperature=args.temperature, n=args.n, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(args.prompts)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     print("RESULT " + json.dumps([[list(c.token_ids) for c in o.outputs] for o in outputs]))
+    if args.metrics:
+        counters = {m.name: m.value if hasattr(m, "value") else getattr(m, "values", None) for m in llm.get_metrics()}
+        print("METRICS " + json.dumps({k: v for k, v in counters.items() if k.startswith("vllm:spec_decode")}))
 
 
 if __name__ == "__main__":
