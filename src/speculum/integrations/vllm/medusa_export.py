@@ -9,7 +9,9 @@ share the target's LM head over a draft vocabulary, which is vLLM's ``original_l
 for all) of ``truncated_vocab_size`` rows with ``token_map`` naming their tokens. The rows are the
 target's, taken from it here: speculum's checkpoint names the tokens, not the rows. A draft
 vocabulary that covers the whole vocabulary is written in token order, without a ``token_map``
-(vLLM ignores one unless the vocabulary is truncated).
+(vLLM ignores one unless the vocabulary is truncated). vLLM 0.32 loads a ``token_map`` only with
+``model_loader_extra_config={"enable_weights_track": False}``: it registers the map as a parameter
+while loading, then refuses it as one the checkpoint did not initialise.
 
 vLLM drafts one chain, each head's top-1 token, where speculum drafts a tree; vLLM verifies every
 drafted token, so its output is its plain decoding's either way.
