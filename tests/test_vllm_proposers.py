@@ -9,6 +9,7 @@ batch is condensed as vLLM does, so requests move between slots).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,10 +23,12 @@ from speculum.integrations.vllm.step_cost import StepCost
 K = 4
 
 
-def vllm_config(k=K, max_model_len=256, options=None, eos=None):
+def vllm_config(k=K, max_model_len=256, options=None, eos=None, vocab_size=None, dtype=None):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(eos_token_id=eos)),
+        model_config=SimpleNamespace(
+            max_model_len=max_model_len, dtype=dtype, hf_config=SimpleNamespace(eos_token_id=eos, vocab_size=vocab_size)
+        ),
         additional_config={"speculum": options} if options is not None else {},
     )
 
@@ -33,8 +36,9 @@ def vllm_config(k=K, max_model_len=256, options=None, eos=None):
 class Harness:
     """vLLM's side of the protocol: slots, verification against each request's reference, reuse."""
 
-    def __init__(self, proposer, requests, slots=2, max_model_len=256):
+    def __init__(self, proposer, requests, slots=2, max_model_len=256, step_seconds=(0.002, 0.0001)):
         self.proposer = proposer
+        self.step_seconds = step_seconds  # (a, b): each step takes a + b * tokens verified, as vLLM's would
         self.waiting = list(requests)  # (prompt, reference continuation)
         self.token_ids = np.zeros((slots, max_model_len), dtype=np.int32)
         self.slots = [None] * slots  # slot -> [request index, prompt length, tokens generated]
@@ -65,6 +69,10 @@ class Harness:
                 [list(x) for x in self.sampled], self.num_tokens.copy(), self.token_ids, slot_mappings=None
             )
             assert len(drafts) == len(self.slots)
+            if self.step_seconds is not None:
+                a, b = self.step_seconds
+                verified = sum(1 + len(d) for d, slot in zip(drafts, self.slots, strict=True) if slot is not None)
+                time.sleep(a + b * verified)
             for s, draft in enumerate(drafts):
                 assert all(isinstance(t, int) for t in draft) and len(draft) <= self.proposer.k
                 if self.slots[s] is None or not self.sampled[s]:
@@ -269,3 +277,100 @@ def test_request_states_match_by_content():
     first, _ = states.claim(np.array([1, 2, 3, 4, 5, 6]), taken)
     second, new = states.claim(np.array([1, 2, 3, 4, 5, 6]), taken)  # two rows alike in one step
     assert first is s and new and second is not s
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny target, requests with its greedy continuations, and two draft directories: the target
+    itself (every draft token right) and an unrelated model. A wide vocabulary and a flat output
+    keep the continuations from looping, so the n-gram drafters find little to copy."""
+    import torch
+
+    from tiny_models import reference_greedy, tiny_model, word_tokenizer
+
+    vocab = 512
+    target, other_model = tiny_model("llama", vocab_size=vocab), tiny_model("llama", seed=7, vocab_size=vocab)
+    with torch.no_grad():
+        for model in (target, other_model):
+            model.get_output_embeddings().weight.mul_(0.25)
+    rng = np.random.default_rng(3)
+    requests = []
+    for _ in range(3):
+        prompt = rng.integers(3, vocab, 12).tolist()
+        requests.append((prompt, reference_greedy(target, prompt, 40)))
+    same, other = tmp_path_factory.mktemp("same-draft"), tmp_path_factory.mktemp("other-draft")
+    target.save_pretrained(same)
+    other_model.save_pretrained(other)
+    for path in (same, other):
+        word_tokenizer().save_pretrained(path)
+    return requests, str(same), str(other), vocab, torch.float32
+
+
+def _auto_with_draft(draft, vocab, dtype, **options):
+    return Auto(vllm_config(options={"draft": draft, **options}, vocab_size=vocab, dtype=dtype))
+
+
+def test_auto_drafts_with_a_draft_model_where_it_pays(tiny_pair):
+    requests, same, _, vocab, dtype = tiny_pair
+    auto = _auto_with_draft(same, vocab, dtype, draft_confidence=0.0)
+    auto.load_model()
+    h = Harness(auto, requests, slots=2, step_seconds=(0.02, 0.001)).run(max_new=40)
+    plain = Harness(Auto(vllm_config()), requests, slots=2).run(max_new=40)
+    assert h.outputs == plain.outputs
+    proposed, accepted = auto.by_drafter["draft_model"]
+    # the draft is the target: every token it drafts is right, but for what runs past a request's end
+    assert proposed >= 30 and accepted >= proposed - len(requests)
+    assert h.accepted > plain.accepted
+    assert auto.gate.drafted_steps > 0.7 * auto.gate.steps
+    assert "draft ran in" in auto.summary()
+
+
+def test_auto_keeps_a_draft_that_does_not_pay_mostly_off(tiny_pair, monkeypatch):
+    requests, _, other, vocab, dtype = tiny_pair
+    auto = _auto_with_draft(other, vocab, dtype, draft_confidence=0.0)
+    auto.load_model()
+    propose_rows = auto.draft.propose_rows
+
+    def slow_propose_rows(drafters, ctxs):  # a draft whose forwards cost about a step, as a big draft's would
+        time.sleep(0.005)
+        return propose_rows(drafters, ctxs)
+
+    monkeypatch.setattr(auto.draft, "propose_rows", slow_propose_rows)
+    h = Harness(auto, requests, slots=2, step_seconds=(0.005, 0.0)).run(max_new=40)
+    assert h.outputs == Harness(Auto(vllm_config()), requests, slots=2).run(max_new=40).outputs
+    assert auto.gate.steps > 40
+    assert auto.gate.drafted_steps < 0.5 * auto.gate.steps
+    proposed, accepted = auto.by_drafter.get("draft_model", [0, 0])
+    assert accepted <= 0.3 * proposed
+
+
+def test_draft_gate_turns_the_draft_off_and_probes_it_again():
+    from speculum.integrations.vllm.draft import DraftGate
+
+    gate = DraftGate()
+    history = []
+    for _ in range(200):
+        drafted = gate.wants()
+        history.append(drafted)
+        # drafting commits 1.2 tokens a row in 1.5 plain steps: less than plain's 1 in 1
+        gate.record(drafted, 1.2 if drafted else 1.0, 1.5 if drafted else 1.0)
+    assert sum(history[:6]) == 3  # alternation until both sides are measured
+    assert sum(history[100:]) < 20 and any(history[100:])  # mostly off, probed now and then
+    gate = DraftGate()
+    drafted_steps = 0
+    for _ in range(200):
+        drafted = gate.wants()
+        drafted_steps += drafted
+        gate.record(drafted, 3.0 if drafted else 1.0, 1.5 if drafted else 1.0)
+    assert drafted_steps > 180  # it pays: on but for the steps that keep "without" measured
+
+
+def test_draft_options_are_checked():
+    with pytest.raises(InvalidInputError, match="without a draft"):
+        Auto(vllm_config(options={"draft_depth": 4}))
+    with pytest.raises(InvalidInputError, match="draft_confidence"):
+        Auto(vllm_config(options={"draft": "x", "draft_confidence": 1.5}))
+    with pytest.raises(InvalidInputError, match="draft_depth"):
+        Auto(vllm_config(options={"draft": "x", "draft_depth": 0}))
+    with pytest.raises(InvalidInputError, match="draft must be"):
+        Auto(vllm_config(options={"draft": ""}))

@@ -31,10 +31,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from speculum.controller.calibration import Calibration
+from speculum.controller.chain_stop import ChainStop
 from speculum.drafters import anpd, prompt_lookup
 from speculum.drafters.base import DraftContext, Drafter, Outcome
 from speculum.drafters.ngram_table import NgramTable
 from speculum.errors import InvalidInputError
+from speculum.integrations.vllm.draft import DraftGate, DraftModel, DraftOptions
 from speculum.integrations.vllm.requests import RequestState, RequestStates
 from speculum.integrations.vllm.step_cost import StepCost
 from speculum.sampling import SamplingParams
@@ -47,6 +49,18 @@ CONFIG_KEY = "speculum"  # the key of speculum's options in vLLM's additional_co
 LOG_EVERY = 500  # steps between the lines a proposer logs of what it did
 PROBE_EVERY = 16  # a row proposes one token this often while none of its drafts pays, so calibration keeps learning
 _GREEDY = SamplingParams()
+
+Chain = tuple[str, list[int], list[float | None]]  # a drafter's name, its draft tokens, their scores
+
+
+@dataclasses.dataclass
+class Row:
+    """A row of this step that drafts: its index in vLLM's batch, its request, context and chains."""
+
+    index: int
+    state: RequestState
+    ctx: DraftContext
+    chains: list[Chain]
 
 
 def _config_value(config: Any, *path: str, default: Any = None) -> Any:
@@ -69,6 +83,7 @@ class _Proposer:
 
     method: ClassVar[str] = ""
     OWN_OPTIONS: ClassVar[dict[str, type]] = {"shared_table": bool, "max_requests": int}
+    BATCHED: ClassVar[frozenset[str]] = frozenset()  # drafters that draft for every row at once (_add_chains)
 
     def __init__(self, vllm_config: Any) -> None:
         k = _config_value(vllm_config, "speculative_config", "num_speculative_tokens")
@@ -91,6 +106,7 @@ class _Proposer:
         self.table = self._new_table() if self.shared_table else None
         self.proposed_tokens = 0  # draft tokens handed to vLLM so far
         self.accepted_tokens = 0  # of them, those vLLM accepted (as far as the next step showed)
+        self.by_drafter: dict[str, list[int]] = {}  # drafter -> [tokens proposed, accepted]
         self.steps = 0
 
     # ------------------------------------------------------------------ vLLM's protocol
@@ -113,9 +129,10 @@ class _Proposer:
         started = time.perf_counter()
         self._step_ended(started)
         taken: set[int] = set()
-        rows: list[tuple[int, RequestState, list[tuple[str, list[int], list[float | None]]]]] = []
+        rows: list[Row] = []
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         timed = True  # whether this step's time will be a decoding step's
+        observed = committed = 0  # rows that continued from the last step, and the tokens it committed them
         for i, sampled in enumerate(sampled_token_ids):
             if len(sampled) == 0:
                 timed = False
@@ -139,18 +156,24 @@ class _Proposer:
                 timed = False
                 self._start(state, ctx)
             else:
+                observed += 1
+                committed += len(sampled)
                 self._observe(state, ctx, [int(t) for t in sampled])
-            rows.append((i, state, self._chains(state, ctx)))
+            rows.append(Row(i, state, ctx, self._chains(state, ctx)))
             state.moved_to(tokens)
-        for (i, state, _), (draft, meta) in zip(rows, self._choose([chains for _, _, chains in rows]), strict=True):
-            drafts[i] = draft
-            state.drafted = draft
-            state.data["meta"] = meta
+        self._step_observed(observed, committed, started)
+        self._add_chains(rows)
+        for row, (draft, meta) in zip(rows, self._choose([row.chains for row in rows]), strict=True):
+            drafts[row.index] = draft
+            row.state.drafted = draft
+            row.state.data["meta"] = meta
             self.proposed_tokens += len(draft)
+            if meta:
+                self.by_drafter.setdefault(meta[0][0], [0, 0])[0] += len(draft)
         self.steps += 1
         if self.steps % LOG_EVERY == 0:
             log.info("%s", self.summary())
-        self._step_started(started, sum(1 + len(d) for d in drafts) if timed and rows else None)
+        self._step_started(time.perf_counter(), sum(1 + len(d) for d in drafts) if timed and rows else None)
         return drafts
 
     # ------------------------------------------------------------------ per request
@@ -189,22 +212,29 @@ class _Proposer:
             drafter.observe(ctx, outcome)
         if accepted is not None:
             self.accepted_tokens += accepted
+            meta = state.data.get("meta")
+            if meta and accepted:
+                self.by_drafter[meta[0][0]][1] += accepted
             self._learn(state, accepted)
 
     def summary(self) -> str:
         """What this proposer did so far, in one line (logged every LOG_EVERY steps)."""
         share = self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+        by_drafter = "".join(f"; {name} {a}/{p}" for name, (p, a) in sorted(self.by_drafter.items()))
         return (
             f"speculum {self.method}: {self.steps} steps, {self.proposed_tokens} draft tokens proposed, "
-            f"{self.accepted_tokens} accepted ({share:.0%}), {len(self.requests)} requests kept"
+            f"{self.accepted_tokens} accepted ({share:.0%}{by_drafter}), {len(self.requests)} requests kept"
         )
 
     def _learn(self, state: RequestState, accepted: int) -> None:
         """What the controller learns from a verified draft (the plain proposers learn nothing)."""
 
-    def _chains(self, state: RequestState, ctx: DraftContext) -> list[tuple[str, list[int], list[float | None]]]:
+    def _chains(self, state: RequestState, ctx: DraftContext) -> list[Chain]:
         chains = []
+        state.data["drafts"] = {}
         for name, drafter in state.data["drafters"].items():
+            if name in self.BATCHED:
+                continue
             draft = drafter.propose(ctx)
             tokens = draft.tokens[: ctx.max_depth] if draft is not None else []
             state.data["drafts"][name] = tokens
@@ -213,7 +243,7 @@ class _Proposer:
                 chains.append((name, tokens, scores))
         return chains
 
-    def _choose(self, chains: list[list[tuple[str, list[int], list[float | None]]]]) -> list[tuple[list[int], list]]:
+    def _choose(self, chains: list[list[Chain]]) -> list[tuple[list[int], list]]:
         """Each row's draft (and what the controller needs to learn from it): the one chain, whole."""
         out = []
         for row in chains:
@@ -224,8 +254,14 @@ class _Proposer:
             out.append((tokens, [(name, score, depth + 1) for depth, score in enumerate(scores)]))
         return out
 
+    def _add_chains(self, rows: list[Row]) -> None:
+        """Chains of the drafters that draft for every row at once (``BATCHED``), added to the rows'."""
+
     def _step_ended(self, now: float) -> None:
         """A step of vLLM's ended (the plain proposers do not time it)."""
+
+    def _step_observed(self, rows: int, committed: int, now: float) -> None:
+        """The last step's rows observed: ``committed`` tokens over ``rows`` rows (a timed step's)."""
 
     def _step_started(self, now: float, tokens: int | None) -> None:
         """A step of vLLM's starts, verifying ``tokens`` (None: not a decoding step alone)."""
@@ -275,33 +311,77 @@ class Anpd(_Proposer):
 
 
 class Auto(_Proposer):
-    """ANPD and prompt lookup, one chain per row, each cut where it stops paying in vLLM's step.
+    """ANPD and prompt lookup (and a draft model, when one is named), one chain per row, each cut
+    where it stops paying in vLLM's step.
 
     Each draft token gets P(accepted | the one before was) from the calibration speculum's own
     controller uses (by drafter, score and depth, learnt from what vLLM accepted), and the chance it
     is reached is the product along the chain. A token is proposed while its reach pays what it
     adds to the step: over all rows at once, tokens are taken by reach, best first, while the
     expected tokens committed per second of the step still rise (t = a + b * tokens, learnt from
-    the time between calls).
+    the time between calls). A draft model (``"draft": NAME`` in the options) drafts for every row
+    at once in the steps :class:`~speculum.integrations.vllm.draft.DraftGate` finds it pays in.
     """
 
     method = "Auto"
+    BATCHED = frozenset({"draft_model"})
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
         self.calibration = Calibration()
         self.cost = StepCost()
+        self.draft = None
+        if self.draft_options.draft is not None:
+            model_config = _config_value(vllm_config, "model_config")
+            self.draft = DraftModel(
+                self.draft_options,
+                self.k,
+                vocab_size=_config_value(model_config, "hf_config", "vocab_size"),
+                dtype=_config_value(model_config, "dtype"),
+                device=str(_config_value(vllm_config, "device_config", "device_type", default="cpu")),
+            )
+        self.gate = DraftGate()
+        self._drafting = False  # the draft model runs in the step being proposed
+        self._drafted = False  # it ran in the step vLLM is running
+        self._propose_began: float | None = None  # when the last propose call began
+        self._last_timed = False  # the step vLLM is running is a decoding step alone (timed)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Load the draft model, if one is named (vLLM calls this once the target is loaded)."""
+        if self.draft is not None:
+            self.draft.load()
 
     def _drafter_options(self, options: dict) -> anpd.Options:
+        self.draft_options = DraftOptions.take(options, self.method)
         pl = {name: options.pop(name) for name in list(options) if name == "max_matching_ngram_size"}
         self.lookup_options = _options(prompt_lookup.Options, self.method, pl, num_speculative_tokens=self.k)
         return _options(anpd.Options, self.method, options, num_speculative_tokens=self.k, tree=False)
 
     def _drafters(self) -> dict[str, Drafter]:
-        return {
+        drafters: dict[str, Drafter] = {
             "anpd": anpd.AnpdDrafter(self.options, table=self.table),
             "prompt_lookup": prompt_lookup.PromptLookupDrafter(self.lookup_options),
         }
+        if self.draft is not None:
+            drafters["draft_model"] = self.draft.new_drafter()
+        return drafters
+
+    def _add_chains(self, rows: list[Row]) -> None:
+        self._drafting = self.draft is not None and bool(rows) and self.gate.wants()
+        if not self._drafting:
+            return
+        # a row's share of the step: the rows share its fixed part
+        a, b = self.cost.fit()
+        share = a / len(rows)
+        for row in rows:
+            row.ctx.chain_stop = ChainStop(self.calibration, lambda n: share + b * n, "draft_model")
+        drafters = [row.state.data["drafters"]["draft_model"] for row in rows]
+        for row, draft in zip(rows, self.draft.propose_rows(drafters, [row.ctx for row in rows]), strict=True):
+            tokens = draft.tokens[: row.ctx.max_depth] if draft is not None else []
+            row.state.data["drafts"]["draft_model"] = tokens
+            if tokens:
+                scores = list(draft.scores[: len(tokens)]) if draft.scores is not None else [None] * len(tokens)
+                row.chains.append(("draft_model", tokens, scores))
 
     def _learn(self, state: RequestState, accepted: int) -> None:
         for j, (name, score, depth) in enumerate(state.data.get("meta", [])):
@@ -316,7 +396,7 @@ class Auto(_Proposer):
             reach.append(r)
         return reach
 
-    def _choose(self, chains: list[list[tuple[str, list[int], list[float | None]]]]) -> list[tuple[list[int], list]]:
+    def _choose(self, chains: list[list[Chain]]) -> list[tuple[list[int], list]]:
         best: list[tuple[str, list[int], list[float | None], list[float]] | None] = []
         for row in chains:
             scored = [(name, tokens, scores, self._reach(name, scores)) for name, tokens, scores in row]
@@ -351,10 +431,23 @@ class Auto(_Proposer):
     def summary(self) -> str:
         a, b = self.cost.fit()
         cost = f"step {a * 1e3:.1f} ms + {b * 1e3:.2f} ms a token" if self.cost.measured else "step cost: prior"
-        return f"{super().summary()}; {cost} ({self.cost.steps} steps timed)"
+        draft = f"; {self.gate.summary()}" if self.draft is not None else ""
+        return f"{super().summary()}; {cost} ({self.cost.steps} steps timed){draft}"
 
     def _step_ended(self, now: float) -> None:
         self.cost.step_ended(now)
 
+    def _step_observed(self, rows: int, committed: int, now: float) -> None:
+        """The gate's evidence: what the last step committed a row, in plain steps' time (vLLM's
+        step and the proposing before it)."""
+        if self.draft is None or not rows or not self._last_timed or self._propose_began is None:
+            self._propose_began = now
+            return
+        seconds = now - self._propose_began
+        self._propose_began = now
+        self.gate.record(self._drafted, committed / rows, seconds / self.cost(rows))
+
     def _step_started(self, now: float, tokens: int | None) -> None:
         self.cost.step_started(tokens, now)
+        self._last_timed = tokens is not None
+        self._drafted = self._drafting
