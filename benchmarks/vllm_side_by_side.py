@@ -34,6 +34,8 @@ ENGINES = {
     "vllm + speculum PromptLookup": ("vllm", "speculum.integrations.vllm.PromptLookup"),
     "vllm + speculum Anpd": ("vllm", "speculum.integrations.vllm.Anpd"),
     "vllm + speculum Auto": ("vllm", "speculum.integrations.vllm.Auto"),
+    "vllm draft_model": ("vllm", "draft_model"),  # vLLM's own, with --draft
+    "vllm + speculum Auto + draft": ("vllm", "speculum.integrations.vllm.Auto+draft"),  # with --draft
     "speculum plain": ("speculum", "autoregressive"),
     "speculum auto": ("speculum", "auto"),
 }
@@ -62,6 +64,12 @@ def vllm_worker(args) -> None:
     kwargs = {}
     if args.spec == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k}
+    elif args.spec == "draft_model":
+        spec = {"method": "draft_model", "model": args.draft_dir, "num_speculative_tokens": args.k}
+        kwargs["speculative_config"] = spec
+    elif args.spec and args.spec.endswith("+draft"):
+        kwargs["speculative_config"] = {"model": args.spec.removesuffix("+draft"), "num_speculative_tokens": args.k}
+        kwargs["additional_config"] = {"speculum": {"draft": args.draft_dir}}
     elif args.spec:
         kwargs["speculative_config"] = {"model": args.spec, "num_speculative_tokens": args.k}
     llm = LLM(
@@ -191,6 +199,8 @@ def main() -> None:
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft of the engines with a draft model")
+    parser.add_argument("--draft-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "vllm":
         return vllm_worker(args)
@@ -215,6 +225,10 @@ def main() -> None:
             command += ["--dtype", args.dtype, "--k", str(args.k), "--kv-cache-gib", str(args.kv_cache_gib)]
             command += ["--max-model-len", str(args.max_model_len)]
             command += ["--spec", spec] if spec else []
+            if spec and "draft" in spec:
+                from speculum.models.loading import _resolve_source
+
+                command += ["--draft-dir", _resolve_source(args.draft, None)[0]]
             print(f"pass {run + 1}: starting {name}", file=sys.stderr, flush=True)
             engine = Engine(name, command)
             try:
