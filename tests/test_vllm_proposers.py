@@ -65,10 +65,13 @@ class Harness:
         self._admit()
         drafts = None
         while any(slot is not None for slot in self.slots):
+            # a condensed batch is the requests in flight, as vLLM's is (the slots after them are not rows)
+            rows = sum(slot is not None for slot in self.slots) if condense else len(self.slots)
             drafts = self.proposer.propose(
-                [list(x) for x in self.sampled], self.num_tokens.copy(), self.token_ids, slot_mappings=None
+                [list(x) for x in self.sampled[:rows]], self.num_tokens.copy(), self.token_ids, slot_mappings=None
             )
-            assert len(drafts) == len(self.slots)
+            assert len(drafts) == rows
+            drafts += [[] for _ in range(len(self.slots) - rows)]
             if self.step_seconds is not None:
                 a, b = self.step_seconds
                 verified = sum(1 + len(d) for d, slot in zip(drafts, self.slots, strict=True) if slot is not None)
@@ -314,7 +317,7 @@ def test_auto_drafts_with_a_draft_model_where_it_pays(tiny_pair):
     requests, same, _, vocab, dtype = tiny_pair
     auto = _auto_with_draft(same, vocab, dtype, draft_confidence=0.0)
     auto.load_model()
-    h = Harness(auto, requests, slots=2, step_seconds=(0.02, 0.001)).run(max_new=40)
+    h = Harness(auto, requests, slots=2, step_seconds=(0.02, 0.001)).run(max_new=40, condense=True)
     plain = Harness(Auto(vllm_config()), requests, slots=2).run(max_new=40)
     assert h.outputs == plain.outputs
     proposed, accepted = auto.by_drafter["draft_model"]
@@ -336,7 +339,7 @@ def test_auto_keeps_a_draft_that_does_not_pay_mostly_off(tiny_pair, monkeypatch)
         return propose_rows(drafters, ctxs)
 
     monkeypatch.setattr(auto.draft, "propose_rows", slow_propose_rows)
-    h = Harness(auto, requests, slots=2, step_seconds=(0.005, 0.0)).run(max_new=40)
+    h = Harness(auto, requests, slots=2, step_seconds=(0.005, 0.0)).run(max_new=40, condense=True)
     assert h.outputs == Harness(Auto(vllm_config()), requests, slots=2).run(max_new=40).outputs
     assert auto.gate.steps > 40
     assert auto.gate.drafted_steps < 0.5 * auto.gate.steps
@@ -374,3 +377,25 @@ def test_draft_options_are_checked():
         Auto(vllm_config(options={"draft": "x", "draft_depth": 0}))
     with pytest.raises(InvalidInputError, match="draft must be"):
         Auto(vllm_config(options={"draft": ""}))
+
+
+def test_auto_drafts_phrases_one_request_wrote_in_the_next():
+    rng = np.random.default_rng(5)
+    phrase = rng.integers(300, 400, 24).tolist()
+    first = (rng.integers(20, 200, 20).tolist(), phrase + rng.integers(20, 200, 10).tolist())
+    second = (rng.integers(20, 200, 19).tolist() + phrase[:1], phrase[1:] + rng.integers(20, 200, 10).tolist())
+    with_pool = Auto(vllm_config(k=8))
+    h = Harness(with_pool, [first, second], slots=1).run(max_new=33)
+    without = Harness(Auto(vllm_config(k=8, options={"phrases": False})), [first, second], slots=1).run(max_new=33)
+    assert h.outputs == without.outputs
+    proposed, accepted = with_pool.by_drafter["phrases"]
+    assert accepted >= 10
+    assert h.accepted >= without.accepted + 10
+
+
+def test_draft_gate_does_not_run_the_draft_on_while_no_step_is_timed():
+    from speculum.integrations.vllm.draft import MAX_PROBE_STEPS, DraftGate
+
+    gate = DraftGate()
+    drafted = [gate.wants() for _ in range(100)]  # no step is recorded (say, prompts always prefilling)
+    assert sum(drafted) <= 100 // 2 + 1 and sum(drafted[-20:]) <= MAX_PROBE_STEPS

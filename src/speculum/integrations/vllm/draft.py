@@ -23,6 +23,9 @@ from speculum.errors import InvalidInputError
 REFRESH_EVERY = 32  # while the draft pays, one step in this many runs without it, to keep that side measured
 MAX_BACKOFF = 64  # steps without the draft after it lost, at most (doubling from 1), before it is tried again
 LOSS_MEMORY = 8  # losses the back-off weighs
+# steps a measurement of the draft may take: steps that are not timed (a prompt being prefilled
+# beside them) give no evidence, and a draft must not run on unjudged for as long as they last
+MAX_PROBE_STEPS = 12
 
 
 @dataclasses.dataclass
@@ -115,6 +118,7 @@ class DraftGate:
         self.steps = 0
         self.drafted_steps = 0
         self._fresh = False  # the next step with the draft starts its measurement afresh (a probe)
+        self._unjudged = 0  # steps since the draft's side was last judged, while it is not
 
     def wants(self) -> bool:
         """Whether the draft runs in the step now being proposed."""
@@ -127,6 +131,13 @@ class DraftGate:
             wants = self.steps % 2 == 1 if self.without.judged == self.with_draft.judged else not self.with_draft.judged
         else:
             wants = self.steps % REFRESH_EVERY != 0
+        if not self.with_draft.judged:
+            self._unjudged += 1
+            if self._unjudged > MAX_PROBE_STEPS:  # no evidence comes: backed off as if it lost, then measured again
+                self._unjudged = 0
+                self.off_for = self.backoff.lost() - 1
+                self._fresh = True
+                return False
         self.drafted_steps += wants
         return wants
 
@@ -139,6 +150,7 @@ class DraftGate:
         self.with_draft.add(tokens_per_row, plain_steps, fresh=fresh)
         if not (self.with_draft.judged and self.without.judged):
             return
+        self._unjudged = 0
         with_rate, without_rate = self.with_draft.rate, self.without.rate
         if with_rate >= without_rate:
             self.backoff.won()

