@@ -50,4 +50,3 @@ def export_vllm_medusa(
     Console(soft_wrap=True).print(
         f"use it: vllm serve {model} --speculative-config '{json.dumps(spec)}'{loader}", highlight=False
     )
-
