@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from speculum import accel, engine, models, row_padding
+from speculum import exact as exact_mode
 from speculum.controller import Controller
 from speculum.costs import CostModel, measured_cost_model
 from speculum.drafters.base import Resources
 from speculum.errors import InvalidInputError
+from speculum.exact import ExactChoice
 from speculum.methods import DEFAULT_METHOD, SpeculativeConfig
 from speculum.runner import ModelRunner
 from speculum.sampling import PositionNoise, SamplingParams
@@ -61,8 +63,9 @@ class Speculum:
         self.name = name
         self.draft_name = draft_name
         self.runner = ModelRunner(model)
-        # set by load(): the dtype and why, and whether small forwards are padded (speculum.accel)
-        self.dtype_choice = self.row_padding = self.draft_row_padding = None
+        # set by load(): the dtype and why, whether small forwards are padded (speculum.accel), and
+        # whether the target runs in exact mode (speculum.exact)
+        self.dtype_choice = self.row_padding = self.draft_row_padding = self.exact = None
         self._drafters: dict[tuple, list] = {}  # configuration -> its drafters (one per row of a batch)
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
@@ -448,6 +451,7 @@ def load(
     gguf_file: str | None = None,
     prepack: bool | str = "auto",
     config: str | SpeculativeConfig | None = None,
+    exact: bool | str = "auto",
 ) -> Speculum:
     """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
 
@@ -466,11 +470,16 @@ def load(
     the same dtype; ``spec.dtype_choice`` (a ``speculum.models.DtypeChoice``) says what was chosen and why.
     Prepacked models' one- and two-token forwards are padded to 4 rows where that measures faster
     (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.row_padding.choose_row_padding``).
+    ``exact`` (True, False, "auto": on in bfloat16 and float16) runs the target so that its greedy output and a
+    seeded sampled text do not depend on what was drafted or on the other rows of a batch: attention in float64,
+    linear layers measured for row-count invariance (``spec.exact``, a ``speculum.exact.ExactChoice``, says what
+    was done; see docs/exactness.md).
     """
     if config is not None:
         config = SpeculativeConfig.coerce(config)
         model = model or config.metadata.get("model")
         draft = draft or config.metadata.get("draft")
+    exact_mode.wants_exact(exact, torch.float32)  # a bad value fails before the model loads
     if prepack not in (True, False, "auto"):
         raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
     name = model or models.DEFAULT_MODEL
@@ -505,6 +514,9 @@ def load(
         spec.row_padding = row_padding.choose_row_padding(spec.runner)
         if draft_model is not None and self_layers is None:  # a self-draft shares the target's layers
             spec.draft_row_padding = row_padding.choose_row_padding(ModelRunner(draft_model))
+    # after row padding, which changes the kernels of small forwards that exact mode measures
+    exact_on, exact_reason = exact_mode.wants_exact(exact, dtype_choice.dtype)
+    spec.exact = exact_mode.make_exact(target, exact_reason) if exact_on else ExactChoice(False, exact_reason)
     if config is not None:
         spec.default_config = config
     return spec

@@ -31,11 +31,12 @@ import torch
 
 from speculum import cache as cache_ops
 from speculum.errors import InvalidInputError
+from speculum.exact import EXACT_ATTENTION
 from speculum.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
-TREE_ATTENTION = ("sdpa", "eager")  # implementations that take an explicit 4D float mask
+TREE_ATTENTION = ("sdpa", "eager", EXACT_ATTENTION)  # implementations that take an explicit 4D float mask
 # Architectures whose logits are exactly lm_head(model(x)) (Gemma adds soft-capping, handled below).
 PLAIN_HEAD = {
     "llama",

@@ -71,8 +71,11 @@ def load_models(
     draft_device: str | None,
     gguf_file: str | None,
     prepack: bool,
+    exact: str = "auto",
 ):
     """``speculum.load`` as ``generate`` and ``serve`` call it, under the loading spinner."""
+    if exact not in ("auto", "on", "off"):
+        fail(f"--exact must be auto, on or off, got {exact!r}")
 
     with loading(model, draft):
         return speculum.load(
@@ -83,6 +86,7 @@ def load_models(
             draft_device=draft_device,
             gguf_file=gguf_file,
             prepack="auto" if prepack else False,
+            exact={"on": True, "off": False}.get(exact, exact),
         )
 
 
@@ -92,6 +96,10 @@ ModelOption = Annotated[
 ]
 DraftOption = Annotated[str | None, typer.Option(help="Draft model, or self:N for the target's first N layers.")]
 DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")]
+ExactOption = Annotated[
+    str,
+    typer.Option(help="auto, on or off: output independent of drafts and batch rows (auto: on in half precision)."),
+]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
 DraftDeviceOption = Annotated[str | None, typer.Option(help="Put the draft model on another device.")]
 GgufFileOption = Annotated[str | None, typer.Option(help="GGUF file name inside --model.")]

@@ -15,6 +15,7 @@ from speculum.cli.common import (
     DraftDeviceOption,
     DraftOption,
     DtypeOption,
+    ExactOption,
     GgufFileOption,
     ModelOption,
     PrepackOption,
@@ -75,6 +76,7 @@ def generate(
     draft_device: DraftDeviceOption = None,
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
+    exact: ExactOption = "auto",
 ) -> None:
     """Generate text with a speculative method; the output equals plain decoding."""
     from speculum.sampling import SamplingParams
@@ -95,7 +97,14 @@ def generate(
         if not prompt.strip():
             fail("the prompt is empty")
         spec = load_models(
-            model, draft, dtype=dtype, device=device, draft_device=draft_device, gguf_file=gguf_file, prepack=prepack
+            model,
+            draft,
+            dtype=dtype,
+            device=device,
+            draft_device=draft_device,
+            gguf_file=gguf_file,
+            prepack=prepack,
+            exact=exact,
         )
         text_or_messages = [{"role": "user", "content": prompt}] if chat else prompt
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -117,10 +126,12 @@ def generate(
     elif stats:
         # the curve the controller judged by, where one ran (reading spec.cost_model would measure one)
         cost_model = getattr(spec, "_cost_model", None)
-        print_stats(result, spec_config, spec.dtype_choice, spec.row_padding, spec.device_type, cost_model)
+        print_stats(result, spec_config, spec.dtype_choice, spec.row_padding, spec.device_type, cost_model, spec.exact)
 
 
-def print_stats(result, config, dtype_choice=None, row_padding=None, device_type=None, cost_model=None) -> None:
+def print_stats(
+    result, config, dtype_choice=None, row_padding=None, device_type=None, cost_model=None, exact=None
+) -> None:
     """The run's statistics as a table on stderr, then what the machine-dependent choices were and why."""
     err.print(_stats_table(result.stats, config))
     if device_type is not None and config.preset == "machine":  # whose measured settings the method ran with
@@ -132,6 +143,8 @@ def print_stats(result, config, dtype_choice=None, row_padding=None, device_type
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
         err.print(f"linear layers: {row_padding.describe()}", soft_wrap=True, markup=False, highlight=False)
+    if exact is not None:  # whether the output is independent of drafts and batch neighbours, and how
+        err.print(exact.describe(), soft_wrap=True, markup=False, highlight=False)
     if cost_model is not None:  # the verification costs, and whether they were measured on a busy CPU
         err.print(f"verification costs: {cost_model.describe()}", soft_wrap=True, markup=False, highlight=False)
 

@@ -12,6 +12,7 @@ from speculum.cli.common import (
     DraftDeviceOption,
     DraftOption,
     DtypeOption,
+    ExactOption,
     GgufFileOption,
     ModelOption,
     PrepackOption,
@@ -73,6 +74,7 @@ def serve(
     draft_device: DraftDeviceOption = None,
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
+    exact: ExactOption = "auto",
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a
@@ -92,7 +94,14 @@ def serve(
                 f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who reaches it may use it"
             )
         spec = load_models(
-            model, draft, dtype=dtype, device=device, draft_device=draft_device, gguf_file=gguf_file, prepack=prepack
+            model,
+            draft,
+            dtype=dtype,
+            device=device,
+            draft_device=draft_device,
+            gguf_file=gguf_file,
+            prepack=prepack,
+            exact=exact,
         )
         spec.default_config = spec_config
         settings = ServerSettings(

@@ -1,0 +1,169 @@
+"""Exact mode (speculum.exact): in bfloat16, greedy output of every method equals plain bfloat16
+decoding, a seeded sampled text equals plain seeded sampling, and a batched row equals its prompt
+alone, on the five tiny architectures.
+
+The tiny models' LM heads are flattened so that near-ties are common: without exact mode these
+comparisons part on some prompts in bfloat16 (float32 keeps them apart)."""
+
+import pytest
+import torch
+
+import speculum
+from speculum import exact
+from speculum.errors import InvalidInputError
+from speculum.sampling import PositionNoise, SamplingParams
+from test_batch import LENGTHS, OUROBOROS_SMALL, PROMPTS, run_rows
+
+from helpers import RandomTreeDrafter, build_drafter, generate_ids, save_random_heads
+from tiny_models import ARCHS, VOCAB, perturbed_copy, repetitive_prompt, tiny_model
+
+NEW = 32
+
+
+def near_tie_model(arch: str, seed: int = 0):
+    model = tiny_model(arch, seed=seed, dtype=torch.bfloat16)
+    with torch.no_grad():  # a flatter head: the two best logits are often within bfloat16 rounding
+        model.get_output_embeddings().weight.mul_(0.25)
+    return model
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [repetitive_prompt(24, 5, s) for s in range(3)] + [
+        torch.randint(3, VOCAB, (20,), generator=gen).tolist() for _ in range(5)
+    ]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def exact_arch(request, tmp_path_factory):
+    model = near_tie_model(request.param)
+    draft = perturbed_copy(model, 0.4)
+    path = tmp_path_factory.mktemp(request.param)
+    heads = {kind: save_random_heads(kind, model, path / kind) for kind in ("medusa", "ctc")}
+    choice = exact.make_exact(model)
+    if not choice.guaranteed:
+        pytest.skip(f"this CPU's bfloat16 linear kernels round a row by its neighbours: {choice.describe()}")
+    refs = [generate_ids(model, p, build_drafter("autoregressive"), NEW)[0] for p in prompts()]
+    return request.param, model, draft, heads, refs
+
+
+def make(method, model, draft, heads, ref, row=0):
+    if method == "random_tree":
+        return RandomTreeDrafter(ref, VOCAB, seed=row)
+    params = {
+        "anpd": {"tree": True, "adaptive": True},
+        "lookahead": {"window_size": 3, "ngram_size": 3, "guess_set_size": 2, "pool_from_prompt": True},
+        "draft_model": {"num_speculative_tokens": 4},
+        "ouroboros": OUROBOROS_SMALL,
+        "medusa": {"heads": heads["medusa"]},
+        "ctc": {"heads": heads["ctc"]},
+    }.get(method, {})
+    uses_draft = method in ("draft_model", "ouroboros", "auto")
+    return build_drafter(method, draft if uses_draft else None, VOCAB, target=model, **params)
+
+
+METHODS = ["prompt_lookup", "anpd", "lookahead", "draft_model", "ouroboros", "medusa", "ctc", "auto", "random_tree"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_bfloat16_equals_plain_bfloat16(exact_arch, method):
+    arch, model, draft, heads, refs = exact_arch
+    if method in ("medusa", "ctc") and arch == "gpt2":
+        pytest.skip("the test heads read a plain-head architecture's hidden states")
+    drafted = 0
+    for i, (prompt, ref) in enumerate(zip(prompts(), refs, strict=True)):
+        out, stats = generate_ids(model, prompt, make(method, model, draft, heads, ref, i), NEW)
+        assert out == ref, f"prompt {i}"
+        drafted += stats.drafted_tokens
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "anpd", "draft_model", "random_tree"])
+def test_batched_bfloat16_row_equals_its_prompt_alone(exact_arch, method):
+    arch, model, draft, heads, _ = exact_arch
+    plain = build_drafter("autoregressive")
+    alone = [generate_ids(model, p, plain, n)[0] for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    drafters = [make(method, model, draft, heads, ref, i) for i, ref in enumerate(alone)]
+    outputs, _ = run_rows(model, drafters)
+    assert outputs == alone
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft_model", "random_tree"])
+def test_seeded_sampled_bfloat16_equals_plain_seeded_sampling(exact_arch, method):
+    arch, model, draft, heads, refs = exact_arch
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    for i, prompt in enumerate(prompts()[:4]):
+
+        def noise(seed=i):
+            return PositionNoise(torch.Generator().manual_seed(seed))
+
+        plain, _ = generate_ids(model, prompt, build_drafter("autoregressive"), NEW, sampling, noise=noise())
+        drafter = make(method, model, draft, heads, plain, i)
+        out, _ = generate_ids(model, prompt, drafter, NEW, sampling, torch.Generator().manual_seed(9), noise=noise())
+        assert out == plain, f"prompt {i}"
+
+
+def test_make_exact_switches_attention_and_is_idempotent():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    choice = exact.make_exact(model)
+    assert model.config._attn_implementation == exact.EXACT_ATTENTION
+    assert choice.enabled and choice.rows == exact.ROWS
+    assert exact.make_exact(model) is choice
+    assert "attention in float64" in choice.describe()
+
+
+def test_split_linear_layers_give_the_same_rows():
+    """Forwards over more rows than a piece hold are split; every row comes out as one full call's
+    would in float64 (where a linear's rounding cannot depend on the split)."""
+    linear = torch.nn.Linear(24, 40).double()
+    x = torch.randn(3, 17, 24, dtype=torch.float64)
+    full = linear(x)
+    split = exact._split_rows(linear.forward, 24, pad=False)(x)
+    padded = exact._split_rows(linear.forward, 24, pad=True)(x[:1, :5])
+    assert split.shape == full.shape and torch.allclose(split, full)
+    assert padded.shape == (1, 5, 40) and torch.allclose(padded, full[:1, :5])
+
+
+def test_rows_invariance_is_measured_on_the_module():
+    """A module whose output for a row depends on the other rows is found out."""
+
+    class Mixing(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + x.sum() * 1e-3
+
+    assert exact.rows_invariance(torch.nn.Linear(8, 8).double()) == (True, True)
+    assert exact.rows_invariance(Mixing(8, 8).double()) == (False, False)
+
+
+def test_attention_in_float64_matches_sdpa_closely():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16) for _ in range(3))
+    ours, _ = exact.exact_attention_forward(module, q, k, v, None)
+    stock, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None)
+    assert ours.dtype == torch.bfloat16
+    assert torch.allclose(ours.float(), stock, atol=2e-2)
+
+
+def test_exact_is_resolved_by_dtype_and_bad_values_are_refused():
+    assert exact.wants_exact("auto", torch.bfloat16)[0] is True
+    assert exact.wants_exact("auto", torch.float32)[0] is False
+    assert exact.wants_exact(True, torch.float32)[0] is True
+    with pytest.raises(InvalidInputError, match="exact must be"):
+        exact.wants_exact("sometimes", torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="exact must be"):
+        speculum.load("does-not-matter", exact="sometimes")
+
+
+def test_engine_runs_with_an_exact_gemma3_sliding_window():
+    """Gemma 3's sliding-window layers keep their windows under the exact attention (masks are the
+    runner's or transformers' sdpa masks): the exact model's float32 output equals the stock one's."""
+    stock = tiny_model("gemma3")
+    model = tiny_model("gemma3")
+    exact.make_exact(model)
+    prompt = repetitive_prompt(30, 7, 1)
+    ref, _ = generate_ids(stock, prompt, build_drafter("autoregressive"), 20)
+    out, _ = generate_ids(model, prompt, build_drafter("anpd", tree=True), 20)
+    assert out == ref
