@@ -232,7 +232,8 @@ def _table(title: str, rows: dict[str, dict], names: list[str]) -> list[str]:
     def rate(r: dict | None) -> float | None:
         return r["tokens"] / r["seconds"] if r and r["seconds"] > 0 else None
 
-    lines = [f"### {title}", "", "| engine | tok/s | × vLLM plain | × vLLM ngram | outputs = vLLM plain |"]
+    head = "| engine | tok/s | × vLLM plain | × vLLM ngram | outputs = vLLM plain (serve: serve plain) |"
+    lines = [f"### {title}", "", head]
     lines.append("|---|---:|---:|---:|---|")
     for name in names:
         # a `vllm serve` engine is compared with `vllm serve` plain and ngram, where they ran
@@ -323,8 +324,11 @@ def main() -> None:
     for size in sizes:
         totals = {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names}
         per_set = {s: {n: {"tokens": 0, "seconds": 0.0, "equal": 0, "prompts": 0} for n in names} for s in prompts}
-        reference = results["vllm plain"][size][0] if "vllm plain" in results else None
         for name in names:
+            # a `vllm serve` engine's outputs are compared with `vllm serve` plain's where it ran
+            served = name.startswith("vllm serve") and "vllm serve plain" in results
+            base = "vllm serve plain" if served else "vllm plain"
+            reference = results[base][size][0] if base in results else None
             for done in results[name][size]:
                 for g, (group, result) in enumerate(zip(groups[size], done, strict=True)):
                     total = max(1, sum(map(len, result["outputs"])))

@@ -1,0 +1,104 @@
+"""What exact mode costs, and what it buys: plain decoding and a speculative method, each with
+``exact`` off and on, interleaved per prompt (off/on alternate which goes first), on the report sets.
+
+Reported per method: tokens per second without and with exact mode and their ratio, and how many
+outputs are identical to plain decoding's in the same mode (greedy), which in bfloat16 is where
+exact mode matters.
+
+    python benchmarks/exact_cost.py --model gemma-3-270m --dtype bfloat16 --methods autoregressive,auto \\
+        --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 5 --max-new-tokens 128 --out results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import speculum
+from speculum.bench.datasets import load_datasets
+from speculum.bench.report import machine_info, now_iso
+
+
+def cpu_flags() -> str:
+    """The CPU flags that decide bfloat16's speed and kernels (from /proc/cpuinfo, where there is one)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in flags.split(":")[1].split() if f in wanted)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--methods", default="autoregressive,auto", help="the first is the plain reference")
+    parser.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
+    parser.add_argument("--limit", type=int, default=5, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    specs = {mode: speculum.load(args.model, dtype=args.dtype, exact=mode) for mode in (False, True)}
+    tokenizer = specs[False].tokenizer
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    prompts = [
+        specs[False].encode_prompt(p.render(chat and p.chat_default))
+        for prompts in load_datasets(args.datasets, args.limit).values()
+        for p in prompts
+    ]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for spec in specs.values():  # warm-up: caches, measured costs, first-call overheads
+        for method in methods:
+            spec.generate(prompts[0], method, max_new_tokens=8)
+    rates: dict[tuple[str, bool], list[float]] = {(m, e): [] for m in methods for e in (False, True)}
+    identical = {(m, e): 0 for m in methods for e in (False, True)}
+    for i, prompt in enumerate(prompts):
+        outputs = {}
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for method in methods:
+            for mode in order:
+                began = time.perf_counter()
+                result = specs[mode].generate(prompt, method, max_new_tokens=args.max_new_tokens)
+                seconds = time.perf_counter() - began
+                outputs[method, mode] = result.token_ids
+                rates[method, mode].append(len(result.token_ids) / seconds)
+        for method in methods:
+            for mode in (False, True):
+                identical[method, mode] += outputs[method, mode] == outputs[methods[0], mode]
+        line = "  ".join(f"{m} {'on' if e else 'off'} {rates[m, e][-1]:.1f}" for m in methods for e in (False, True))
+        print(f"prompt {i + 1}/{len(prompts)}: {line} tok/s", flush=True)
+
+    info = machine_info()
+    lines = [
+        f"# Exact mode: cost and identical outputs ({args.model}, {args.dtype})",
+        "",
+        f"{now_iso()}; {info.get('cpu')} ({info.get('cpu_capability')}); flags: {cpu_flags()};"
+        f" {info.get('threads')} threads; torch {info.get('torch')}",
+        "",
+        f"{len(prompts)} prompts ({args.datasets}, {args.limit} each), {args.max_new_tokens} new tokens, greedy;"
+        " off and on interleaved per prompt. Identical: outputs equal to plain decoding's in the same mode.",
+        "",
+        "| method | tok/s off | tok/s on | on / off | identical off | identical on |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for method in methods:
+        off, on = (statistics.mean(rates[method, e]) for e in (False, True))
+        ratio = statistics.mean(b / a for a, b in zip(rates[method, False], rates[method, True], strict=True))
+        lines.append(
+            f"| {method} | {off:.2f} | {on:.2f} | {ratio:.3f} | {identical[method, False]}/{len(prompts)}"
+            f" | {identical[method, True]}/{len(prompts)} |"
+        )
+    lines += ["", "    " + " ".join(["python", *sys.argv]), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
