@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.models.llama import modeling_llama
 from typer.testing import CliRunner
 
 from speculum.cli import app
@@ -13,10 +14,11 @@ from speculum.models.divergence import find_divergence
 
 from tiny_models import repetitive_prompt, tiny_model
 
-# float64, every linear computed one row at a time and eager attention: on this model a verification
-# chain's and a batch row's position compute bit for bit what plain decoding does, so anything the
-# tool reports there was planted by the test
+# float64, every linear computed one row at a time and attention one query at a time over exactly the
+# keys it sees: on this model a verification chain's and a batch row's position compute bit for bit
+# what plain decoding does, so anything the tool reports there was planted by the test
 AGREEING = ("chain", "batch")
+EAGER_ATTENTION = modeling_llama.eager_attention_forward
 PROMPT = repetitive_prompt(12)
 
 
@@ -29,8 +31,24 @@ class RowByRowLinear(nn.Linear):
         return torch.cat(rows).reshape(*x.shape[:-1], -1)
 
 
+def query_by_query_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Llama's eager attention for one query at a time, over only the keys its mask lets it see: the
+    same call whatever the other queries, rows and masked columns (a kernel's summation order can
+    depend on those; on the Xeon with AMX measured here it does, even in float64)."""
+    rows, _, queries, _ = query.shape
+    out = query.new_empty(rows, queries, query.shape[1], query.shape[3])
+    for b in range(rows):
+        for i in range(queries):
+            seen = slice(None) if attention_mask is None else (attention_mask[b, 0, i] == 0).nonzero()[:, 0]
+            q, k, v = query[b : b + 1, :, i : i + 1], key[b : b + 1, :, seen], value[b : b + 1, :, seen]
+            one, _ = EAGER_ATTENTION(module, q, k, v, None, scaling)
+            out[b, i] = one[0, 0]
+    return out, None
+
+
 @pytest.fixture
-def agreeing_model():
+def agreeing_model(monkeypatch):
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", query_by_query_attention)
     model = tiny_model("llama", dtype=torch.float64)
     model.config._attn_implementation = "eager"
     for module in model.modules():
