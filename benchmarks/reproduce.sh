@@ -83,6 +83,17 @@ cost) for M in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do  # stock and prepacked 
 vllm) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \
     --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 2 --max-new-tokens 64 --k 8 --batch 4 --passes 2 \
     --out "$OUT/vllm-side-by-side-qwen.md" ;;
+# the same with a draft model inside Auto, against vLLM's own draft_model (~30 min)
+vllm-draft) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \
+    --engines "vllm + speculum Auto + draft,vllm plain,vllm ngram,vllm + speculum Auto,vllm draft_model" \
+    --datasets humaneval,gsm8k,mt_bench,wmt16 --limit 2 --max-new-tokens 64 --passes 2 --out "$OUT/vllm-draft.md" ;;
+# `vllm serve` with 1, 4 and 16 concurrent openai clients (~35 min)
+vllm-serve) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \
+    --engines "vllm serve plain,vllm serve ngram,vllm serve + speculum Auto" --datasets humaneval,gsm8k,mt_bench,wmt16 \
+    --limit 4 --max-new-tokens 64 --batch 4,16 --passes 2 --out "$OUT/vllm-serve.md" ;;
+# "Exact mode": plain and auto with exact off and on, bfloat16 (~20 min on a native-bf16 CPU)
+exact) python benchmarks/exact_cost.py --model gemma-3-270m --dtype bfloat16 --methods autoregressive,auto \
+    --limit 5 --max-new-tokens 128 --out "$OUT/exact-cost-gemma.md" ;;
 # on a CUDA GPU: t(K) and t(B, K) of published shapes (minutes), then the tiny-model tests (tools/device_tests.sh)
 gpu) for S in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b; do
     python benchmarks/verify_cost.py shape:$S --device cuda --dtypes bfloat16 --prepack off --heads all \

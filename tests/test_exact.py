@@ -131,8 +131,30 @@ def test_rows_invariance_is_measured_on_the_module():
         def forward(self, x):
             return super().forward(x) + x.sum() * 1e-3
 
+    class ByRowCount(torch.nn.Linear):  # one kernel for a single row, another for more
+        def forward(self, x):
+            return super().forward(x) + (1e-3 if x.shape[0] == 1 else 0.0)
+
     assert exact.rows_invariance(torch.nn.Linear(8, 8).double()) == (True, True)
     assert exact.rows_invariance(Mixing(8, 8).double()) == (False, False)
+    assert exact.rows_invariance(ByRowCount(8, 8).double()) == (False, True)
+
+
+def test_a_model_whose_kernels_part_by_row_count_is_padded():
+    """Where one row and several round differently, every call is padded to ``ROWS`` rows, and the
+    model's output then equals plain decoding's whatever the layout (here in float32, where the
+    planted difference is far above rounding)."""
+    model = tiny_model("qwen2")
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            plain = module.forward
+            module.forward = lambda x, plain=plain: plain(x) + (0.05 if x.numel() == x.shape[-1] else 0.0)
+    choice = exact.make_exact(model)
+    assert choice.padded and choice.guaranteed and "padded to 16 rows" in choice.describe()
+    prompt = repetitive_prompt(20, 4, 2)
+    plain_out, _ = generate_ids(model, prompt, build_drafter("autoregressive"), 16)
+    drafted, stats = generate_ids(model, prompt, build_drafter("anpd", tree=True), 16)
+    assert drafted == plain_out and stats.drafted_tokens > 0
 
 
 def test_attention_in_float64_matches_sdpa_closely():

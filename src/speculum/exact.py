@@ -110,10 +110,14 @@ def _weight_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _device(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    weight = getattr(module, "packed_weight", None)
-    return weight.device if weight is not None else torch.device("cpu")
+    """Where the probe's rows go: the weights' device (an offloaded layer's are on "meta": its accelerate
+    hook moves rows from the CPU to where it computes)."""
+    weight = next(module.parameters(), None)
+    if weight is None:
+        weight = getattr(module, "packed_weight", None)
+    if weight is None or weight.device.type == "meta":
+        return torch.device("cpu")
+    return weight.device
 
 
 @torch.inference_mode()
@@ -155,7 +159,7 @@ def _split_rows(forward, inputs: int, pad: bool):
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // inputs
-        if rows <= ROWS and not pad:
+        if rows == 0 or (rows <= ROWS and not pad):
             return forward(x)
         flat = x.reshape(rows, inputs)
         if pad and rows % ROWS:
@@ -176,7 +180,9 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
     modules = _linear_modules(model)
     verdicts: dict[tuple, tuple[bool, bool]] = {}
     for module in modules:
-        key = (type(module), _in_features(module), tuple(getattr(module, "weight", torch.empty(0)).shape))
+        weight = getattr(module, "weight", None)
+        outputs = getattr(module, "out_features", None) or (weight.shape[-1] if weight is not None else None)
+        key = (type(module), _in_features(module), outputs, _weight_dtype(module))
         if key not in verdicts:
             verdicts[key] = rows_invariance(module)
     free = all(v[0] for v in verdicts.values())
