@@ -40,14 +40,16 @@ def main() -> None:
     parser.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
     parser.add_argument("--limit", type=int, default=5, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--modes", default="off,on", help="exact settings to run: off,on (cost) or on (identity only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    specs = {mode: speculum.load(args.model, dtype=args.dtype, exact=mode) for mode in (False, True)}
-    tokenizer = specs[False].tokenizer
-    chat = bool(getattr(tokenizer, "chat_template", None))
+    modes = [{"off": False, "on": True}[m.strip()] for m in args.modes.split(",") if m.strip()]
+    specs = {mode: speculum.load(args.model, dtype=args.dtype, exact=mode) for mode in modes}
+    first = specs[modes[0]]
+    chat = bool(getattr(first.tokenizer, "chat_template", None))
     prompts = [
-        specs[False].encode_prompt(p.render(chat and p.chat_default))
+        first.encode_prompt(p.render(chat and p.chat_default))
         for prompts in load_datasets(args.datasets, args.limit).values()
         for p in prompts
     ]
@@ -55,11 +57,11 @@ def main() -> None:
     for spec in specs.values():  # warm-up: caches, measured costs, first-call overheads
         for method in methods:
             spec.generate(prompts[0], method, max_new_tokens=8)
-    rates: dict[tuple[str, bool], list[float]] = {(m, e): [] for m in methods for e in (False, True)}
-    identical = {(m, e): 0 for m in methods for e in (False, True)}
+    rates: dict[tuple[str, bool], list[float]] = {(m, e): [] for m in methods for e in modes}
+    identical = {(m, e): 0 for m in methods for e in modes}
     for i, prompt in enumerate(prompts):
         outputs = {}
-        order = (False, True) if i % 2 == 0 else (True, False)
+        order = modes if i % 2 == 0 else modes[::-1]
         for method in methods:
             for mode in order:
                 began = time.perf_counter()
@@ -68,9 +70,9 @@ def main() -> None:
                 outputs[method, mode] = result.token_ids
                 rates[method, mode].append(len(result.token_ids) / seconds)
         for method in methods:
-            for mode in (False, True):
+            for mode in modes:
                 identical[method, mode] += outputs[method, mode] == outputs[methods[0], mode]
-        line = "  ".join(f"{m} {'on' if e else 'off'} {rates[m, e][-1]:.1f}" for m in methods for e in (False, True))
+        line = "  ".join(f"{m} {'on' if e else 'off'} {rates[m, e][-1]:.1f}" for m in methods for e in modes)
         print(f"prompt {i + 1}/{len(prompts)}: {line} tok/s", flush=True)
 
     info = machine_info()
@@ -83,16 +85,18 @@ def main() -> None:
         f"{len(prompts)} prompts ({args.datasets}, {args.limit} each), {args.max_new_tokens} new tokens, greedy;"
         " off and on interleaved per prompt. Identical: outputs equal to plain decoding's in the same mode.",
         "",
-        "| method | tok/s off | tok/s on | on / off | identical off | identical on |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    names = {False: "off", True: "on"}
+    head = [f"tok/s {names[e]}" for e in modes] + (["on / off"] if len(modes) == 2 else [])
+    head += [f"identical {names[e]}" for e in modes]
+    lines += ["| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for method in methods:
-        off, on = (statistics.mean(rates[method, e]) for e in (False, True))
-        ratio = statistics.mean(b / a for a, b in zip(rates[method, False], rates[method, True], strict=True))
-        lines.append(
-            f"| {method} | {off:.2f} | {on:.2f} | {ratio:.3f} | {identical[method, False]}/{len(prompts)}"
-            f" | {identical[method, True]}/{len(prompts)} |"
-        )
+        cells = [f"{statistics.mean(rates[method, e]):.2f}" for e in modes]
+        if len(modes) == 2:
+            pairs = zip(rates[method, False], rates[method, True], strict=True)
+            cells.append(f"{statistics.mean(on / off for off, on in pairs):.3f}")
+        cells += [f"{identical[method, e]}/{len(prompts)}" for e in modes]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "    " + " ".join(["python", *sys.argv]), ""]
     text = "\n".join(lines)
     print(text)
