@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=2, help="batches timed per B (different prompts each)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--exact", default="auto", choices=["auto", "on", "off"], help="speculum.load's exact")
     ap.add_argument("--out", default=None, help="also write the table here")
     ap.add_argument("--ids", default=None, help="comma-separated prompt ids to keep (e.g. MT-bench question ids)")
     ap.add_argument("--fresh", action="store_true", help="each (batch, method) in a fresh process (see above)")
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import speculum
 
-    spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype)
+    exact = {"on": True, "off": False}.get(args.exact, args.exact)
+    spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype, exact=exact)
     pool = prompt_pool(spec, args)
     if args.child is not None:
         return child(spec, pool, json.loads(args.child))
