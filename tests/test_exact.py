@@ -189,3 +189,24 @@ def test_engine_runs_with_an_exact_gemma3_sliding_window():
     ref, _ = generate_ids(stock, prompt, build_drafter("autoregressive"), 20)
     out, _ = generate_ids(model, prompt, build_drafter("anpd", tree=True), 20)
     assert out == ref
+
+
+def test_a_prefill_takes_its_rows_whole_and_a_wide_step_is_split():
+    """A prefill runs every layout alike, so its rows go to each linear layer in one call (pieces of 16
+    would read every weight once per piece); a forward over more rows after it is split."""
+    from speculum.runner import ModelRunner
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    layer = model.model.layers[0].mlp.down_proj
+    calls = []
+    original = layer.forward
+    layer.forward = lambda x: calls.append(x.numel() // x.shape[-1]) or original(x)
+    exact.make_exact(model)
+    calls.clear()
+    runner = ModelRunner(model)
+    cache = runner.new_cache()
+    runner.prefill(cache, repetitive_prompt(40, 5, 0))
+    assert calls == [40]
+    calls.clear()
+    runner.forward(cache, list(range(3, 23)))
+    assert calls == [16, 4]

@@ -22,7 +22,10 @@ but ``exact=True`` applies it in any dtype.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -154,12 +157,27 @@ def rows_invariance(module: nn.Module, forward=None, seed: int = 0) -> tuple[boo
     return False, True
 
 
+_WHOLE_ROWS = contextvars.ContextVar("speculum_exact_whole_rows", default=False)
+
+
+@contextmanager
+def whole_rows() -> Iterator[None]:
+    """Linear layers take their rows whole inside: a prefill, which every method, layout and batch
+    computes the same way (the prompt alone, in the same chunks), so its rows need no splitting; a
+    prefill cut into pieces of 16 rows would read every weight once per piece."""
+    token = _WHOLE_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_ROWS.reset(token)
+
+
 def _split_rows(forward, inputs: int, pad: bool):
     """``forward`` over pieces of at most ``ROWS`` rows (each padded to exactly ``ROWS`` if ``pad``)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // inputs
-        if rows == 0 or (rows <= ROWS and not pad):
+        if rows == 0 or (rows <= ROWS and not pad) or _WHOLE_ROWS.get():
             return forward(x)
         flat = x.reshape(rows, inputs)
         if pad and rows % ROWS:

@@ -30,6 +30,7 @@ from itertools import chain
 import torch
 
 from speculum import cache as cache_ops
+from speculum import exact
 from speculum.errors import InvalidInputError
 from speculum.exact import EXACT_ATTENTION
 from speculum.tree import TokenTree
@@ -206,16 +207,17 @@ class ModelRunner:
         if not token_ids:
             return None
         ids = torch.tensor([token_ids], device=self.input_device)
-        if self.split_head:  # no logits needed: skip the LM head altogether
-            out = self.model.model(input_ids=ids, use_cache=True, **with_cache(self.model.model, cache))
-            return out.last_hidden_state[0] if hidden else None
-        out = self.model(
-            input_ids=ids,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=hidden,
-            **with_cache(self.model, cache),
-        )
+        with exact.whole_rows():  # every layout prefills a prompt alike: exact mode need not split it
+            if self.split_head:  # no logits needed: skip the LM head altogether
+                out = self.model.model(input_ids=ids, use_cache=True, **with_cache(self.model.model, cache))
+                return out.last_hidden_state[0] if hidden else None
+            out = self.model(
+                input_ids=ids,
+                use_cache=True,
+                logits_to_keep=1,
+                output_hidden_states=hidden,
+                **with_cache(self.model, cache),
+            )
         return out.hidden_states[-1][0] if hidden else None
 
     @torch.inference_mode()
