@@ -12,9 +12,11 @@ both sources that tool finds:
   it: an output differs only where the exact value lies within ~1e-13 of a rounding boundary.
 - **linear layers** (the LM head included) must give a row the same bits whatever the number of
   rows beside it. Whether this CPU's kernels do is measured on the model's own layers, once per
-  distinct shape (:func:`rows_invariance`): where they do up to ``ROWS`` rows, larger forwards are
-  cut into pieces of ``ROWS`` rows; where even that fails, every forward is padded to exactly
-  ``ROWS`` rows; where that fails too, exact mode says so (``ExactChoice.guaranteed`` is False).
+  distinct shape (:func:`min_invariant_rows`): the fewest rows ``m`` from which every call of ``m``
+  to ``ROWS`` rows gives a row the same bits in any slot. A layer with ``m > 1`` has its smaller
+  calls padded to ``m`` rows (zeros, their outputs dropped); calls over ``ROWS`` rows are cut into
+  pieces of ``ROWS``, the probes' reach; where even calls of exactly ``ROWS`` rows part by slot,
+  exact mode says so (``ExactChoice.guaranteed`` is False).
 
 Float32 models need none of it for greedy output in practice (the tests check float32 without it),
 but ``exact=True`` applies it in any dtype.
@@ -40,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 EXACT_ATTENTION = "speculum_exact"  # the attention implementation's name in transformers' registry
 ROWS = 16  # rows per linear-layer call where a kernel's rounding depends on the row count
-PROBE_ROWS = (1, 2, 3, 4, 5, 8, 13, 16)  # row counts whose outputs are compared with one row's
 
 
 def exact_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
@@ -63,39 +64,37 @@ AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)
 class ExactChoice:
     """Whether exact mode is on (``Speculum.exact``; ``speculum generate --stats``), and how.
 
-    ``rows``: linear layers run in pieces of this many rows ("split" above it, "padded" to exactly
-    it) or as they are (None). ``guaranteed``: every linear layer measured row-count invariant in
-    the way chosen (False: this CPU's kernels round a row differently by its neighbours, so texts
-    can still part at near-ties)."""
+    ``rows``: linear layers take at most this many rows a call (None: off). ``padded``: (layer kind,
+    rows, how many layers) for the layers whose smaller calls are padded to that many rows.
+    ``guaranteed``: every linear layer measured row-count invariant in the way chosen (False: this
+    CPU's kernels round a row by its neighbours, so texts can still part at near-ties)."""
 
     enabled: bool
     reason: str
     rows: int | None = None
-    padded: bool = False
+    padded: tuple[tuple[str, int, int], ...] = ()
     guaranteed: bool = True
 
     def describe(self) -> str:
         if not self.enabled:
             return f"exact: off ({self.reason})"
-        if self.rows is None:
-            linears = "linear layers as they are (measured row-count invariant)"
-        elif self.padded:
-            linears = f"linear layers padded to {self.rows} rows"
-        else:
-            linears = f"linear layers in pieces of at most {self.rows} rows"
+        linears = f"linear layers in calls of at most {self.rows} rows"
+        if self.padded:
+            linears += "; " + ", ".join(f"{count} {kind} padded to {rows} rows" for kind, rows, count in self.padded)
         warning = "" if self.guaranteed else "; NOT guaranteed: this CPU's linear kernels round rows by row count"
         return f"exact: on ({self.reason}): attention in float64, {linears}{warning}"
 
 
-def _linear_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module that multiplies rows by a weight matrix: nn.Linear, speculum's PackedLinear,
-    GPT-2's Conv1D (each has ``in_features`` or a 2-D ``weight`` whose first dimension is its input)."""
+def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module that multiplies rows by a weight matrix, with its name: nn.Linear, speculum's
+    PackedLinear, GPT-2's Conv1D (each has ``in_features`` or a 2-D ``weight`` whose first dimension
+    is its input)."""
     found = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         if getattr(module, "in_features", None) is not None:
-            found.append(module)
+            found.append((name, module))
         elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-            found.append(module)
+            found.append((name, module))
     return found
 
 
@@ -124,37 +123,33 @@ def _device(module: nn.Module) -> torch.device:
 
 
 @torch.inference_mode()
-def rows_invariance(module: nn.Module, forward=None, seed: int = 0) -> tuple[bool, bool]:
-    """(a row's output is the same bits alone and beside up to ``ROWS - 1`` others, in any slot;
-    the same holds for calls of exactly ``ROWS`` rows), measured on random inputs: kernels choose
-    their path by shape, not by values."""
+def min_invariant_rows(module: nn.Module, forward=None, seed: int = 0) -> int | None:
+    """The fewest rows ``m`` such that a row's output is the same bits in every call of ``m`` to
+    ``ROWS`` rows, in any slot (1: any call as it is); None where calls of exactly ``ROWS`` rows
+    already part by slot. Measured on random inputs: kernels choose their path by shape, not values."""
     forward = forward or module.forward
     inputs = _in_features(module)
     generator = torch.Generator().manual_seed(seed)
     dtype, device = _weight_dtype(module), _device(module)
+    row = torch.randn(1, inputs, generator=generator).to(device, dtype)
 
-    def rand(rows: int) -> torch.Tensor:
-        return torch.randn(rows, inputs, generator=generator).to(device, dtype)
-
-    row = rand(1)
-    alone = forward(row)[0]
-    free = True
-    for rows in PROBE_ROWS[1:]:
+    def outputs(rows: int) -> list[torch.Tensor]:
+        found = []
         for slot in sorted({0, rows // 2, rows - 1}):
-            batch = rand(rows)
+            batch = torch.randn(rows, inputs, generator=generator).to(device, dtype)
             batch[slot] = row[0]
-            free = free and torch.equal(forward(batch)[slot], alone)
-    if free:
-        return True, True
-    reference = None
-    for slot in range(ROWS):
-        batch = rand(ROWS)
-        batch[slot] = row[0]
-        out = forward(batch)[slot]
-        reference = out if reference is None else reference
-        if not torch.equal(out, reference):
-            return False, False
-    return False, True
+            found.append(forward(batch)[slot])
+        return found
+
+    reference = outputs(ROWS)
+    if not all(torch.equal(out, reference[0]) for out in reference):
+        return None
+    fewest = ROWS
+    for rows in range(ROWS - 1, 0, -1):
+        if not all(torch.equal(out, reference[0]) for out in outputs(rows)):
+            break
+        fewest = rows
+    return fewest
 
 
 _WHOLE_ROWS = contextvars.ContextVar("speculum_exact_whole_rows", default=False)
@@ -172,17 +167,18 @@ def whole_rows() -> Iterator[None]:
         _WHOLE_ROWS.reset(token)
 
 
-def _split_rows(forward, inputs: int, pad: bool):
-    """``forward`` over pieces of at most ``ROWS`` rows (each padded to exactly ``ROWS`` if ``pad``)."""
+def _split_rows(forward, inputs: int, min_rows: int):
+    """``forward`` over pieces of at most ``ROWS`` rows, each padded to at least ``min_rows``."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // inputs
-        if rows == 0 or (rows <= ROWS and not pad) or _WHOLE_ROWS.get():
+        if rows == 0 or min_rows <= rows <= ROWS or _WHOLE_ROWS.get():
             return forward(x)
-        flat = x.reshape(rows, inputs)
-        if pad and rows % ROWS:
-            flat = torch.cat([flat, flat.new_zeros(ROWS - rows % ROWS, inputs)])
-        out = torch.cat([forward(piece) for piece in flat.split(ROWS)])[:rows]
+        pieces = list(x.reshape(rows, inputs).split(ROWS))
+        short = min_rows - pieces[-1].shape[0]
+        if short > 0:
+            pieces[-1] = torch.cat([pieces[-1], pieces[-1].new_zeros(short, inputs)])
+        out = torch.cat([forward(piece) for piece in pieces])[:rows]
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return run
@@ -195,21 +191,24 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
     if existing is not None:
         return existing
     model.set_attn_implementation(EXACT_ATTENTION)
-    modules = _linear_modules(model)
-    verdicts: dict[tuple, tuple[bool, bool]] = {}
-    for module in modules:
+    verdicts: dict[tuple, int | None] = {}
+    padded: dict[tuple[str, int], int] = {}
+    for name, module in _linear_modules(model):
         weight = getattr(module, "weight", None)
         outputs = getattr(module, "out_features", None) or (weight.shape[-1] if weight is not None else None)
         key = (type(module), _in_features(module), outputs, _weight_dtype(module))
         if key not in verdicts:
-            verdicts[key] = rows_invariance(module)
-    free = all(v[0] for v in verdicts.values())
-    padded_ok = all(v[1] for v in verdicts.values())
-    # a forward over more than ROWS rows is always split: the probes stop at ROWS rows
-    for module in modules:
-        module.forward = _split_rows(module.forward, _in_features(module), pad=not free)
-    choice = ExactChoice(True, reason, rows=ROWS, padded=not free, guaranteed=free or padded_ok)
-    if not choice.guaranteed:
+            verdicts[key] = min_invariant_rows(module)
+        # where even ROWS rows part by slot, padding to ROWS is the best left (and said not guaranteed)
+        min_rows = verdicts[key] or ROWS
+        if min_rows > 1:
+            kind = name.rsplit(".", 1)[-1] or name
+            padded[(kind, min_rows)] = padded.get((kind, min_rows), 0) + 1
+        module.forward = _split_rows(module.forward, _in_features(module), min_rows)
+    guaranteed = all(v is not None for v in verdicts.values())
+    summary = tuple((kind, rows, count) for (kind, rows), count in sorted(padded.items()))
+    choice = ExactChoice(True, reason, rows=ROWS, padded=summary, guaranteed=guaranteed)
+    if not guaranteed:
         logger.warning("speculum: %s", choice.describe())
     model._speculum_exact = choice
     return choice
