@@ -5,6 +5,8 @@ alone, on the five tiny architectures.
 The tiny models' LM heads are flattened so that near-ties are common: without exact mode these
 comparisons part on some prompts in bfloat16 (float32 keeps them apart)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -178,7 +180,14 @@ def test_a_model_whose_kernels_part_by_row_count_is_padded():
         if type(module) is torch.nn.Linear:
             plain = module.forward
             module.forward = lambda x, plain=plain: plain(x) + (0.05 if x.numel() == x.shape[-1] else 0.0)
+    from speculum.costs import machine_key
+    from speculum.runner import ModelRunner
+
     choice = exact.make_exact(model)
+    padded_key = machine_key(ModelRunner(model))
+    model._speculum_exact = dataclasses.replace(choice, padded=())
+    assert machine_key(ModelRunner(model)) != padded_key  # a curve measured unpadded is not this model's
+    model._speculum_exact = choice
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert choice.guaranteed and sum(count for _, rows, count in choice.padded) == linears
     assert min(rows for _, rows, _ in choice.padded) >= 2 and "down_proj padded to" in choice.describe()

@@ -289,11 +289,16 @@ def costs_dir() -> Path:
     return machine.cache_dir() / "costs"
 
 
+def _exact_padded(model) -> tuple:
+    """The linear layers exact mode pads (:class:`speculum.exact.ExactChoice`), () where none or off."""
+    return getattr(getattr(model, "_speculum_exact", None), "padded", ())
+
+
 def machine_key(runner, *, padding: bool = True) -> str:
     """What a measured curve depends on: the model's shape and dtype, its attention implementation,
     whether its LM head runs lazily, whether it is prepacked (and its small forwards padded or on the
-    stock kernel, unless ``padding=False``: the key of that decision itself), the device, threads, the
-    CPU (:func:`speculum.machine.cpu_identity`) and library versions."""
+    stock kernel, unless ``padding=False``: the key of that decision itself), the linear layers exact
+    mode pads, the device, threads, the CPU (:func:`speculum.machine.cpu_identity`) and library versions."""
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     shape = {
@@ -315,7 +320,8 @@ def machine_key(runner, *, padding: bool = True) -> str:
         f"lazy_head={getattr(runner, 'lazy_head', None)}",
         f"packed={packed}"
         + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")
-        + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else ""),
+        + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else "")
+        + (f",exact_padded={exact_padded}" if (exact_padded := _exact_padded(model)) else ""),
         str(device),
         f"threads={torch.get_num_threads()}",
         accelerator,
