@@ -209,6 +209,29 @@ def test_attention_in_float64_matches_sdpa_closely():
     assert torch.allclose(ours.float(), stock, atol=2e-2)
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_folded_attention_equals_repeated_heads(mask_kind):
+    """A masked forward of several queries over grouped heads is folded (no repeated keys and values)
+    and gives transformers' float64 SDPA result, rounded alike."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 3
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 16, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 2, 9, 16, generator=gen).bfloat16() for _ in range(2))
+    mask = torch.rand(2, 1, 5, 9, generator=gen) > 0.3
+    mask[..., 0] = True
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert exact._foldable(module, q, mask, (), {"scaling": 0.25})
+    ours, _ = exact.exact_attention_forward(module, q, k, v, mask, scaling=0.25)
+    wide = mask.double() if mask.is_floating_point() else mask
+    stock, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), wide, scaling=0.25)
+    assert ours.shape == stock.shape == (2, 5, 6, 16)
+    assert torch.equal(ours, stock.to(torch.bfloat16))
+
+
 def test_exact_is_resolved_by_dtype_and_bad_values_are_refused():
     assert exact.wants_exact("auto", torch.bfloat16)[0] is True
     assert exact.wants_exact("auto", torch.float32)[0] is False

@@ -6,7 +6,9 @@ decoding's (``speculum diagnose divergence`` finds where: docs/exactness.md). Ex
 both sources that tool finds:
 
 - **attention** runs in float64 (SDPA, the same call as the model's own, on float64 copies of the
-  query, keys and values; the output is rounded back to the model's dtype). The kernel's order of
+  query, keys and values; the output is rounded back to the model's dtype). A masked forward of
+  several queries has each key/value head's query heads folded into its queries, as transformers
+  does for one query, rather than the keys and values repeated per query head. The kernel's order of
   summation still depends on the query count, the mask and where the keys sit in the cache, but in
   float64 that changes the last of 53 bits, and rounding to bfloat16 (8 bits) or float16 (11) drops
   it: an output differs only where the exact value lies within ~1e-13 of a rounding boundary.
@@ -50,10 +52,41 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     mask = attention_mask
     if mask is not None and mask.is_floating_point():
         mask = mask.to(torch.float64)
-    out, weights = sdpa_attention_forward(
-        module, query.to(torch.float64), key.to(torch.float64), value.to(torch.float64), mask, *args, **kwargs
-    )
+    query, key, value = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
+    if _foldable(module, query, mask, args, kwargs):
+        return _folded_attention(module, query, key, value, mask, kwargs.get("scaling")).to(dtype), None
+    out, weights = sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
     return out.to(dtype), weights
+
+
+def _foldable(module, query, mask, args, kwargs) -> bool:
+    """A masked forward of several queries over grouped key/value heads, which transformers would
+    give SDPA with every key/value head repeated for its query heads (a float64 copy of the cache
+    per layer); the same mask for every head."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain_call = not args and not kwargs.get("dropout") and kwargs.get("softcap") is None
+    return (
+        plain_call
+        and groups > 1
+        and query.shape[2] > 1
+        and mask is not None
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+        and kwargs.get("position_bias") is None
+    )
+
+
+def _folded_attention(module, query, key, value, mask, scaling) -> torch.Tensor:
+    """SDPA with each key/value head's query heads folded into its queries (as transformers does
+    for one query): (batch, heads, queries, dim) in, (batch, queries, heads, dim) out."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    folded = query.reshape(batch, kv_heads, groups * queries, dim)
+    mask = mask.expand(mask.shape[0], 1, queries, keys)[:, :, None]
+    mask = mask.expand(mask.shape[0], 1, groups, queries, keys).reshape(mask.shape[0], 1, groups * queries, keys)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, queries, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
