@@ -54,7 +54,7 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
         mask = mask.to(torch.float64)
     query, key, value = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
     if _foldable(module, query, mask, args, kwargs):
-        return _folded_attention(module, query, key, value, mask, kwargs.get("scaling")).to(dtype), None
+        return _folded_attention(query, key, value, mask, kwargs.get("scaling")).to(dtype), None
     out, weights = sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
     return out.to(dtype), weights
 
@@ -76,7 +76,7 @@ def _foldable(module, query, mask, args, kwargs) -> bool:
     )
 
 
-def _folded_attention(module, query, key, value, mask, scaling) -> torch.Tensor:
+def _folded_attention(query, key, value, mask, scaling) -> torch.Tensor:
     """SDPA with each key/value head's query heads folded into its queries (as transformers does
     for one query): (batch, heads, queries, dim) in, (batch, queries, heads, dim) out."""
     batch, heads, queries, dim = query.shape
