@@ -4,6 +4,10 @@ Works on transformers' own ``DynamicCache``. The cache is created *without* a mo
 that every layer, including Gemma 3's sliding-window layers, keeps its full history: rolling
 back a rejected draft needs the rows a sliding window would already have dropped. The sliding
 window itself is then enforced by the attention mask (see ``engine.TargetRunner``).
+
+Its layers are :class:`GrowingLayer`: keys and values are views of buffers with room to grow, so
+a step writes its new positions in place where transformers' ``DynamicLayer`` copies the whole
+cache (``torch.cat``) every step.
 """
 
 from __future__ import annotations
@@ -12,9 +16,71 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+ROOM = 256  # positions a layer's buffers grow by at least
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are the first positions of larger buffers.
+
+    Anything that assigns ``keys``/``values`` (the batch ops below, transformers' own) is adopted
+    on the next update: the buffers are rebuilt around the new tensors (one copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._room = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._views_of_room() or length + new > self._room[0].shape[-2]:
+            self._grow(length, length + new, key_states, value_states)
+        keys, values = self._room
+        keys[..., length : length + new, :] = key_states
+        values[..., length : length + new, :] = value_states
+        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        return self.keys, self.values
+
+    def _views_of_room(self) -> bool:
+        """Whether keys and values are still the first positions of this layer's buffers (a crop
+        keeps them so; an assignment does not)."""
+        if self._room is None:
+            return False
+        return all(
+            held.dim() == 4
+            and held.data_ptr() == room.data_ptr()
+            and held.shape[:2] == room.shape[:2]
+            and held.stride() == room.stride()
+            for held, room in zip((self.keys, self.values), self._room, strict=True)
+        )
+
+    def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = -(-(needed + max(ROOM, needed // 4)) // ROOM) * ROOM
+        room = []
+        for held, states in ((self.keys, key_states), (self.values, value_states)):
+            shape = (*states.shape[:-2], capacity, states.shape[-1])
+            buffer = states.new_empty(shape)
+            if length:
+                buffer[..., :length, :] = held
+            room.append(buffer)
+        self._room = (room[0], room[1])
+
 
 def new_cache() -> DynamicCache:
-    return DynamicCache()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
+
+
+def _like(cache: DynamicCache) -> DynamicCache:
+    """An empty cache that stores its layers as ``cache`` does."""
+    like = DynamicCache()
+    like.layer_class_to_replicate = cache.layer_class_to_replicate
+    return like
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -72,7 +138,7 @@ def _keys_values(cache: DynamicCache, i: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _set_layer(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     while len(cache.layers) <= i:
-        cache.layers.append(DynamicLayer())
+        cache.layers.append((cache.layer_class_to_replicate or DynamicLayer)())
     layer = cache.layers[i]
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)
@@ -144,7 +210,7 @@ def split_rows(cache: DynamicCache, lengths: list[int]) -> list[DynamicCache]:
     """One single-row cache per row of ``cache``, row r cropped to its ``lengths[r]`` columns."""
     rows = []
     for r, length in enumerate(lengths):
-        row = DynamicCache()
+        row = _like(cache)
         for i in range(len(cache.layers)):
             kv = _keys_values(cache, i)
             if kv is not None and length > 0:
