@@ -36,6 +36,18 @@ def prompts():
     ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def both_attention_paths():
+    """Queries of the tiny models' texts see 20 to 60 keys: with 40 as the line, every text crosses from
+    the float64 attention to one call per query mid-way."""
+    from speculum import exact_attention
+
+    line = exact_attention.FLOAT64_KEYS
+    exact_attention.FLOAT64_KEYS = 40
+    yield
+    exact_attention.FLOAT64_KEYS = line
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def exact_arch(request, tmp_path_factory):
     model = near_tie_model(request.param)
@@ -197,39 +209,62 @@ def test_a_model_whose_kernels_part_by_row_count_is_padded():
     assert drafted == plain_out and stats.drafted_tokens > 0
 
 
-def test_attention_in_float64_matches_sdpa_closely():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _alone(query, key, value, b, j, columns, groups, scaling):
+    """Query j of row b attending alone to ``columns`` of its row, as plain decoding would call it."""
+    from speculum.exact_attention import exact_attention_forward
 
     module = torch.nn.Module()
-    module.is_causal = True
-    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16) for _ in range(3))
-    ours, _ = exact.exact_attention_forward(module, q, k, v, None)
-    stock, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None)
-    assert ours.dtype == torch.bfloat16
+    module.is_causal, module.num_key_value_groups = True, groups
+    k, v = key[b : b + 1, :, columns], value[b : b + 1, :, columns]
+    out, _ = exact_attention_forward(module, query[b : b + 1, :, j : j + 1], k, v, None, scaling=scaling)
+    return out[0, 0]
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_query_attends_as_it_would_alone(monkeypatch, mask_kind, groups):
+    """Every query of a forward (a chain, a tree, batch rows with leftover columns) gets the same bits
+    as the same query alone over exactly the keys it sees, in order, on both sides of FLOAT64_KEYS;
+    and that is attention (close to stock SDPA in float32)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from speculum import exact_attention
+
+    monkeypatch.setattr(exact_attention, "FLOAT64_KEYS", 16)
+    gen = torch.Generator().manual_seed(groups)
+    rows, queries, columns, heads = 3, 6, 20, 2 * groups
+    q = torch.randn(rows, heads, queries, 16, generator=gen).bfloat16()
+    k, v = (torch.randn(rows, 2, columns, 16, generator=gen).bfloat16() for _ in range(2))
+    lengths = [14, 4, 9]  # cached columns per row: the queries see 5 to 20 keys
+    seen = torch.zeros(rows, queries, columns, dtype=torch.bool)
+    for r, length in enumerate(lengths):
+        seen[r, :, :length] = True
+        for j in range(queries):  # row 0 a chain, the others trees (node j sees node 0 and itself)
+            ancestors = range(j + 1) if r == 0 else {0, j}
+            seen[r, j, [columns - queries + a for a in ancestors]] = True
+    if mask_kind == "none":  # one row, a chain at the end of the cache: the causal case
+        q, k, v, seen, lengths = q[:1], k[:1], v[:1], seen[:1], [columns - queries]
+        seen[0, :, : columns - queries] = True
+        mask = None
+    else:
+        mask = (
+            seen[:, None]
+            if mask_kind == "bool"
+            else torch.zeros(rows, 1, queries, columns).masked_fill(~seen[:, None], torch.finfo(torch.float32).min)
+        )
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, groups
+    ours, _ = exact_attention.exact_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert ours.shape == (q.shape[0], queries, heads, 16) and ours.dtype == torch.bfloat16
+    counts = set()
+    for b in range(q.shape[0]):
+        for j in range(queries):
+            visible = seen[b, j].nonzero()[:, 0]
+            counts.add(len(visible))
+            assert torch.equal(ours[b, j], _alone(q, k, v, b, j, visible, groups, 0.25)), (b, j)
+    assert min(counts) <= 16 < max(counts)  # both computations ran
+    stock, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), seen[:, None], scaling=0.25)
     assert torch.allclose(ours.float(), stock, atol=2e-2)
-
-
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_folded_attention_equals_repeated_heads(mask_kind):
-    """A masked forward of several queries over grouped heads is folded (no repeated keys and values)
-    and gives transformers' float64 SDPA result, rounded alike."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 3
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 5, 16, generator=gen).bfloat16()
-    k, v = (torch.randn(2, 2, 9, 16, generator=gen).bfloat16() for _ in range(2))
-    mask = torch.rand(2, 1, 5, 9, generator=gen) > 0.3
-    mask[..., 0] = True
-    if mask_kind == "float":
-        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
-    assert exact._foldable(module, q, mask, (), {"scaling": 0.25})
-    ours, _ = exact.exact_attention_forward(module, q, k, v, mask, scaling=0.25)
-    wide = mask.double() if mask.is_floating_point() else mask
-    stock, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), wide, scaling=0.25)
-    assert ours.shape == stock.shape == (2, 5, 6, 16)
-    assert torch.equal(ours, stock.to(torch.bfloat16))
 
 
 def test_exact_is_resolved_by_dtype_and_bad_values_are_refused():
@@ -273,3 +308,40 @@ def test_a_prefill_takes_its_rows_whole_and_a_wide_step_is_split():
     calls.clear()
     runner.forward(cache, list(range(3, 23)))
     assert calls == [16, 4]
+
+
+def test_an_exact_prefill_runs_the_same_pieces_however_a_server_splits_it(monkeypatch):
+    """A server prefills a prompt a budget at a time among other work; an exact model's prefill still
+    runs the pieces a whole prefill runs (ends at multiples of PREFILL_PIECE), so the prompt's keys
+    and values are the same bits."""
+    from speculum.engine import Joining, Request
+    from speculum.runner import ModelRunner
+
+    monkeypatch.setattr(exact, "PREFILL_PIECE", 8)
+    assert exact.prefill_end(torch.nn.Module(), 3, 5, 30) == 5  # not exact: where asked
+    model = near_tie_model("llama")
+    exact.make_exact(model)
+    assert [exact.prefill_end(model, d, w, 30) for d, w in ((0, 5), (0, 13), (8, 9), (16, 40), (24, 29))] == [
+        8,
+        8,
+        16,
+        30,
+        30,
+    ]
+    runner = ModelRunner(model)
+    pieces = []
+    original = runner._prefill_piece
+    monkeypatch.setattr(runner, "_prefill_piece", lambda c, ids, h: pieces.append(len(ids)) or original(c, ids, h))
+    prompt = repetitive_prompt(31, 5, 0)
+    caches = {}
+    for budget in (None, 3, 5, 13):
+        pieces.clear()
+        request = Request(prompt, build_drafter("autoregressive"), SamplingParams(), max_new_tokens=4)
+        joining = Joining(runner, request)
+        while not joining.prefill(budget):
+            pass
+        assert pieces == [8, 8, 8, 6], budget
+        caches[budget] = joining.cache
+    for budget in (3, 5, 13):
+        for ours, whole in zip(caches[budget].layers, caches[None].layers, strict=True):
+            assert torch.equal(ours.keys, whole.keys) and torch.equal(ours.values, whole.values)

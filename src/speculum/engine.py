@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from speculum import cache as cache_ops
+from speculum import exact
 from speculum.controller import Controller
 from speculum.drafters.base import DraftContext, Drafter, Outcome, TargetOutputs
 from speculum.errors import InvalidInputError
@@ -309,7 +310,12 @@ class Joining:
     def prefill(self, max_tokens: int | None = None) -> bool:
         """Prefill the next ``max_tokens`` prompt tokens (None: all the rest); True once complete."""
         t = time.perf_counter()
-        end = len(self.tokens) - 1 if max_tokens is None else min(len(self.tokens) - 1, self.done + max_tokens)
+        last = len(self.tokens) - 1
+        end = (
+            last
+            if max_tokens is None
+            else exact.prefill_end(self.runner.model, self.done, self.done + max_tokens, last)
+        )
         wants = self.request.drafter.wants_hidden_states
         if end > self.done:
             states = self.runner.prefill(self.cache, self.tokens[self.done : end], hidden=wants)

@@ -5,13 +5,9 @@ differently from plain decoding's one-token forward, so at a near-tie a text par
 decoding's (``speculum diagnose divergence`` finds where: docs/exactness.md). Exact mode removes
 both sources that tool finds:
 
-- **attention** runs in float64 (SDPA, the same call as the model's own, on float64 copies of the
-  query, keys and values; the output is rounded back to the model's dtype). A masked forward of
-  several queries has each key/value head's query heads folded into its queries, as transformers
-  does for one query, rather than the keys and values repeated per query head. The kernel's order of
-  summation still depends on the query count, the mask and where the keys sit in the cache, but in
-  float64 that changes the last of 53 bits, and rounding to bfloat16 (8 bits) or float16 (11) drops
-  it: an output differs only where the exact value lies within ~1e-13 of a rounding boundary.
+- **attention** gives each query the same bits whatever else the forward carries: float64 where it
+  sees few keys, else one call of the model's own kernel per query over exactly its keys
+  (:mod:`speculum.exact_attention`).
 - **linear layers** (the LM head included) must give a row the same bits whatever the number of
   rows beside it. Whether this CPU's kernels do is measured on the model's own layers, once per
   distinct shape (:func:`min_invariant_rows`): the fewest rows ``m`` from which every call of ``m``
@@ -26,67 +22,24 @@ but ``exact=True`` applies it in any dtype.
 
 from __future__ import annotations
 
-import contextvars
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from speculum.errors import InvalidInputError
+from speculum.exact_attention import exact_attention_forward, in_prefill, whole_rows
+
+__all__ = ["ExactChoice", "make_exact", "min_invariant_rows", "wants_exact", "whole_rows"]
 
 logger = logging.getLogger(__name__)
 
 EXACT_ATTENTION = "speculum_exact"  # the attention implementation's name in transformers' registry
 ROWS = 16  # rows per linear-layer call where a kernel's rounding depends on the row count
-
-
-def exact_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
-    """transformers' SDPA attention, computed in float64 and rounded back to the query's dtype."""
-    dtype = query.dtype
-    mask = attention_mask
-    if mask is not None and mask.is_floating_point():
-        mask = mask.to(torch.float64)
-    query, key, value = query.to(torch.float64), key.to(torch.float64), value.to(torch.float64)
-    if _foldable(module, query, mask, args, kwargs):
-        return _folded_attention(query, key, value, mask, kwargs.get("scaling")).to(dtype), None
-    out, weights = sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
-    return out.to(dtype), weights
-
-
-def _foldable(module, query, mask, args, kwargs) -> bool:
-    """A masked forward of several queries over grouped key/value heads, which transformers would
-    give SDPA with every key/value head repeated for its query heads (a float64 copy of the cache
-    per layer); the same mask for every head."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    plain_call = not args and not kwargs.get("dropout") and kwargs.get("softcap") is None
-    return (
-        plain_call
-        and groups > 1
-        and query.shape[2] > 1
-        and mask is not None
-        and mask.dim() == 4
-        and mask.shape[1] == 1
-        and kwargs.get("position_bias") is None
-    )
-
-
-def _folded_attention(query, key, value, mask, scaling) -> torch.Tensor:
-    """SDPA with each key/value head's query heads folded into its queries (as transformers does
-    for one query): (batch, heads, queries, dim) in, (batch, queries, heads, dim) out."""
-    batch, heads, queries, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    folded = query.reshape(batch, kv_heads, groups * queries, dim)
-    mask = mask.expand(mask.shape[0], 1, queries, keys)[:, :, None]
-    mask = mask.expand(mask.shape[0], 1, groups, queries, keys).reshape(mask.shape[0], 1, groups * queries, keys)
-    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, queries, value.shape[-1]).transpose(1, 2).contiguous()
+PREFILL_PIECE = 256  # an exact model prefills positions [0, 256), [256, 512), ... one forward each
 
 
 AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
@@ -185,27 +138,12 @@ def min_invariant_rows(module: nn.Module, forward=None, seed: int = 0) -> int | 
     return fewest
 
 
-_WHOLE_ROWS = contextvars.ContextVar("speculum_exact_whole_rows", default=False)
-
-
-@contextmanager
-def whole_rows() -> Iterator[None]:
-    """Linear layers take their rows whole inside: a prefill, which every method, layout and batch
-    computes the same way (the prompt alone, in the same chunks), so its rows need no splitting; a
-    prefill cut into pieces of 16 rows would read every weight once per piece."""
-    token = _WHOLE_ROWS.set(True)
-    try:
-        yield
-    finally:
-        _WHOLE_ROWS.reset(token)
-
-
 def _split_rows(forward, inputs: int, min_rows: int):
     """``forward`` over pieces of at most ``ROWS`` rows, each padded to at least ``min_rows``."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // inputs
-        if rows == 0 or min_rows <= rows <= ROWS or _WHOLE_ROWS.get():
+        if rows == 0 or min_rows <= rows <= ROWS or in_prefill():
             return forward(x)
         pieces = list(x.reshape(rows, inputs).split(ROWS))
         short = min_rows - pieces[-1].shape[0]
@@ -245,6 +183,35 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
         logger.warning("speculum: %s", choice.describe())
     model._speculum_exact = choice
     return choice
+
+
+def is_exact(model: nn.Module) -> bool:
+    choice = getattr(model, "_speculum_exact", None)
+    return choice is not None and choice.enabled
+
+
+def prefill_end(model: nn.Module, done: int, wanted: int, last: int) -> int:
+    """Where a prefill from position ``done`` that wants to stop at ``wanted`` (at most ``last``, the
+    prompt's end) stops. An exact model stops only where every layout stops, so that a prompt's keys
+    and values never depend on how a server split its prefill among other work: at a multiple of
+    ``PREFILL_PIECE`` or the prompt's end, the nearest below ``wanted`` or else the next one."""
+    if not is_exact(model) or wanted >= last:
+        return min(wanted, last)
+    aligned = wanted - wanted % PREFILL_PIECE
+    return aligned if aligned > done else min(last, (done // PREFILL_PIECE + 1) * PREFILL_PIECE)
+
+
+def prefill_pieces(model: nn.Module, done: int, count: int) -> list[int]:
+    """The sizes of the forwards that prefill ``count`` positions from ``done``: one for a model not in
+    exact mode, else pieces that end at multiples of ``PREFILL_PIECE``."""
+    if not is_exact(model):
+        return [count]
+    sizes, position, end = [], done, done + count
+    while position < end:
+        step = min(end, (position // PREFILL_PIECE + 1) * PREFILL_PIECE) - position
+        sizes.append(step)
+        position += step
+    return sizes
 
 
 def wants_exact(exact: bool | str, dtype: torch.dtype) -> tuple[bool, str]:

@@ -203,9 +203,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, cache, token_ids: list[int], hidden: bool = False) -> torch.Tensor | None:
-        """Put ``token_ids`` in the cache; their last hidden states ``[len, hidden]`` if asked for."""
+        """Put ``token_ids`` in the cache; their last hidden states ``[len, hidden]`` if asked for.
+
+        An exact model prefills in the pieces every layout uses (``speculum.exact.prefill_pieces``)."""
         if not token_ids:
             return None
+        done, states = cache_ops.cache_length(cache), []
+        for size in exact.prefill_pieces(self.model, done, len(token_ids)):
+            piece, token_ids = token_ids[:size], token_ids[size:]
+            states.append(self._prefill_piece(cache, piece, hidden))
+        return torch.cat(states) if hidden else None
+
+    def _prefill_piece(self, cache, token_ids: list[int], hidden: bool) -> torch.Tensor | None:
         ids = torch.tensor([token_ids], device=self.input_device)
         with exact.whole_rows():  # every layout prefills a prompt alike: exact mode need not split it
             if self.split_head:  # no logits needed: skip the LM head altogether
