@@ -40,6 +40,12 @@ def main() -> None:
     parser.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
     parser.add_argument("--limit", type=int, default=5, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="lengthen each prompt to about this many tokens with the run's other prompts before it (a long context)",
+    )
     parser.add_argument("--modes", default="off,on", help="exact settings to run: off,on (cost) or on (identity only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -53,6 +59,11 @@ def main() -> None:
         for prompts in load_datasets(args.datasets, args.limit).values()
         for p in prompts
     ]
+    if args.context:
+        base = [token for prompt in prompts for token in prompt]
+        pool = base * (args.context // len(base) + 2)
+        starts = [(i * 97) % len(base) for i in range(len(prompts))]  # each prompt a different lead
+        prompts = [pool[s : s + max(0, args.context - len(p))] + p for s, p in zip(starts, prompts, strict=True)]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for spec in specs.values():  # warm-up: caches, measured costs, first-call overheads
         for method in methods:
@@ -82,7 +93,9 @@ def main() -> None:
         f"{now_iso()}; {info.get('cpu')} ({info.get('cpu_capability')}); flags: {cpu_flags()};"
         f" {info.get('threads')} threads; torch {info.get('torch')}",
         "",
-        f"{len(prompts)} prompts ({args.datasets}, {args.limit} each), {args.max_new_tokens} new tokens, greedy;"
+        f"{len(prompts)} prompts ({args.datasets}, {args.limit} each"
+        + (f", each lengthened to {args.context} tokens with the others before it" if args.context else "")
+        + f"), {args.max_new_tokens} new tokens, greedy;"
         " off and on interleaved per prompt. Identical: outputs equal to plain decoding's in the same mode.",
         "",
     ]
