@@ -123,7 +123,7 @@ def test_make_exact_switches_attention_and_is_idempotent():
     assert model.config._attn_implementation == exact.EXACT_ATTENTION
     assert choice.enabled and choice.rows == exact.ROWS
     assert exact.make_exact(model) is choice
-    assert "attention in float64" in choice.describe()
+    assert "attention per query" in choice.describe()
 
 
 def test_split_linear_layers_give_the_same_rows():

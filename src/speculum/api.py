@@ -471,7 +471,7 @@ def load(
     Prepacked models' one- and two-token forwards are padded to 4 rows where that measures faster
     (``spec.row_padding``, ``spec.draft_row_padding``: see ``speculum.row_padding.choose_row_padding``).
     ``exact`` (True, False, "auto": on in bfloat16 and float16) runs the target so that its greedy output and a
-    seeded sampled text do not depend on what was drafted or on the other rows of a batch: attention in float64,
+    seeded sampled text do not depend on what was drafted or on the other rows of a batch: attention per query,
     linear layers measured for row-count invariance (``spec.exact``, a ``speculum.exact.ExactChoice``, says what
     was done; see docs/exactness.md).
     """

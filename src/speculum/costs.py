@@ -41,7 +41,7 @@ from speculum.tree import TokenTree
 log = logging.getLogger("speculum")
 
 FORMAT = "speculum-costs"
-VERSION = 3  # bumped when the measurement, its key or the file changes: older curves are measured again
+VERSION = 4  # bumped when the measurement, its key or the file changes: older curves are measured again
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree sizes (root included) measured
 PREFIX = 256  # tokens of the default probe context (one is the root of the timed trees)
 # A forward this many times off its prediction is not noise but a curve measured in another machine

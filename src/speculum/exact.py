@@ -30,6 +30,7 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from speculum import exact_attention
 from speculum.errors import InvalidInputError
 from speculum.exact_attention import exact_attention_forward, in_prefill, whole_rows
 
@@ -68,7 +69,8 @@ class ExactChoice:
         if self.padded:
             linears += "; " + ", ".join(f"{count} {kind} padded to {rows} rows" for kind, rows, count in self.padded)
         warning = "" if self.guaranteed else "; NOT guaranteed: this CPU's linear kernels round rows by row count"
-        return f"exact: on ({self.reason}): attention in float64, {linears}{warning}"
+        attention = f"attention per query (float64 up to {exact_attention.FLOAT64_KEYS} keys, else one call each)"
+        return f"exact: on ({self.reason}): {attention}, {linears}{warning}"
 
 
 def _linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
