@@ -60,7 +60,7 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     scaling = kwargs.get("scaling")
     columns = plan.columns
     if plan.everyone_short:
-        wide = (_wide(t, i) for i, t in enumerate((query, key[:, :, columns], value[:, :, columns])))
+        wide = (t.double() for t in (query, key[:, :, columns], value[:, :, columns]))
         return _folded_sdpa(*wide, plan.seen, scaling).to(query.dtype), None
     out = query.new_zeros(batch, queries, heads, value.shape[-1])
     if plan.short:
@@ -71,23 +71,6 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     if plan.long:
         _one_query_calls(out, plan, query, key, value, scaling)
     return out, None
-
-
-_scratch: dict = {}
-
-
-def _wide(tensor: torch.Tensor, slot: int) -> torch.Tensor:
-    """``tensor`` in float64, written into memory kept from the last call of this shape: a fresh
-    allocation of a layer's keys in float64 every step costs more than the conversion itself."""
-    *lead, length, dim = tensor.shape
-    key = (slot, tuple(lead), dim, tensor.device)
-    held = _scratch.get(key)
-    if held is None or held.shape[-2] < length:
-        if len(_scratch) > 64:
-            _scratch.clear()
-        room = -(-length // 256) * 256
-        held = _scratch[key] = torch.empty((*lead, room, dim), dtype=torch.float64, device=tensor.device)
-    return held[..., :length, :].copy_(tensor)
 
 
 def _plain_call(mask, args, kwargs) -> bool:
