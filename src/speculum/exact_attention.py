@@ -111,7 +111,8 @@ def _plan(mask, batch: int, queries: int, keys: int, causal: bool) -> _Plan:
     held = _plans.get(key)
     if held is not None and held[0] is mask:
         return held[1]
-    plan = _make_plan(mask, batch, queries, keys, causal)
+    with torch.inference_mode(False):  # kept across forwards, inference mode or not
+        plan = _make_plan(mask, batch, queries, keys, causal)
     if len(_plans) > 8:
         _plans.clear()
     _plans[key] = (mask, plan)
