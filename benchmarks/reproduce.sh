@@ -91,9 +91,12 @@ vllm-draft) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --
 vllm-serve) python benchmarks/vllm_side_by_side.py --model qwen2.5-coder-1.5b --vllm-python .venv-vllm/bin/python \
     --engines "vllm serve plain,vllm serve ngram,vllm serve + speculum Auto" --datasets humaneval,gsm8k,mt_bench,wmt16 \
     --limit 4 --max-new-tokens 64 --batch 4,16 --passes 2 --out "$OUT/vllm-serve.md" ;;
-# "Exact mode": plain and auto with exact off and on, bfloat16 (~20 min on a native-bf16 CPU)
-exact) python benchmarks/exact_cost.py --model gemma-3-270m --dtype bfloat16 --methods autoregressive,auto \
-    --limit 5 --max-new-tokens 128 --out "$OUT/exact-cost-gemma.md" ;;
+# "Exact mode": plain and auto with exact off and on, bfloat16: short prompts, a 1500-token context, the 1.5B
+# (~45 min on a native-bf16 CPU)
+exact) E="python benchmarks/exact_cost.py --dtype bfloat16 --methods autoregressive,auto"
+  $E --model gemma-3-270m --limit 5 --max-new-tokens 128 --out "$OUT/exact-cost-gemma.md"
+  $E --model gemma-3-270m --limit 2 --context 1500 --max-new-tokens 128 --out "$OUT/exact-cost-gemma-long.md"
+  $E --model qwen2.5-coder-1.5b --limit 3 --max-new-tokens 64 --out "$OUT/exact-cost-qwen.md" ;;
 # on a CUDA GPU: t(K) and t(B, K) of published shapes (minutes), then the tiny-model tests (tools/device_tests.sh)
 gpu) for S in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b; do
     python benchmarks/verify_cost.py shape:$S --device cuda --dtypes bfloat16 --prepack off --heads all \
