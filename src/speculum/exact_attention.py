@@ -56,7 +56,7 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     if not _plain_call(attention_mask, args, kwargs):
         return _float64_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     batch, heads, queries, _ = query.shape
-    plan = _plan(attention_mask, batch, queries, key.shape[2], getattr(module, "is_causal", True))
+    plan = _plan(attention_mask, batch, queries, key.shape[2], getattr(module, "is_causal", True), query.device)
     scaling = kwargs.get("scaling")
     columns = plan.columns
     if plan.everyone_short:
@@ -106,20 +106,20 @@ class _Plan:
 _plans: dict = {}  # the layers of one forward share its mask, so its plan
 
 
-def _plan(mask, batch: int, queries: int, keys: int, causal: bool) -> _Plan:
-    key = ("no mask", batch, queries, keys, causal) if mask is None else id(mask)
+def _plan(mask, batch: int, queries: int, keys: int, causal: bool, device: torch.device) -> _Plan:
+    key = ("no mask", batch, queries, keys, causal, device) if mask is None else id(mask)
     held = _plans.get(key)
     if held is not None and held[0] is mask:
         return held[1]
     with torch.inference_mode(False):  # kept across forwards, inference mode or not
-        plan = _make_plan(mask, batch, queries, keys, causal)
+        plan = _make_plan(mask, batch, queries, keys, causal, device)
     if len(_plans) > 8:
         _plans.clear()
     _plans[key] = (mask, plan)
     return plan
 
 
-def _make_plan(mask, batch: int, queries: int, keys: int, causal: bool) -> _Plan:
+def _make_plan(mask, batch: int, queries: int, keys: int, causal: bool, device: torch.device) -> _Plan:
     if mask is None:
         counts = [[keys - queries + j + 1 if causal else keys for j in range(queries)]] * batch
         selections = [[slice(0, c) for c in counts[0]]] * batch
@@ -128,31 +128,30 @@ def _make_plan(mask, batch: int, queries: int, keys: int, causal: bool) -> _Plan
     pairs = [(b, j) for b in range(batch) for j in range(queries)]
     short = [(b, j) for b, j in pairs if 0 < counts[b][j] <= FLOAT64_KEYS]
     long = [(b, j) for b, j in pairs if counts[b][j] > FLOAT64_KEYS]
-    row_list = sorted({b for b, _ in short})
+    row_of = {b: i for i, b in enumerate(sorted({b for b, _ in short}))}
     everyone_short = len(short) == len(pairs)
     seen, columns = None, slice(0, 0)
     if short:
         first = min(_start(selections[b][j]) for b, j in short)
         columns = slice(first, max(_end(selections[b][j]) for b, j in short))
-        seen = torch.zeros(len(row_list), 1, queries, columns.stop - first, dtype=torch.bool)
+        seen = torch.zeros(len(row_of), 1, queries, columns.stop - first, dtype=torch.bool)
         for b, j in short:
             selection = selections[b][j]
             if isinstance(selection, slice):
-                seen[row_list.index(b), 0, j, selection.start - first : selection.stop - first] = True
+                seen[row_of[b], 0, j, selection.start - first : selection.stop - first] = True
             else:
-                seen[row_list.index(b), 0, j, selection - first] = True
+                seen[row_of[b], 0, j, (selection - first).cpu()] = True
         seen[..., 0] |= ~seen.any(-1)  # a query left out sees one key rather than none (no NaN)
         if bool(seen.all()):
             seen = None
-    device = mask.device if mask is not None else None
     return _Plan(
         selections=selections,
         short=short,
         long=long,
-        rows=torch.tensor(row_list, dtype=torch.long, device=device),
-        row_of={b: i for i, b in enumerate(row_list)},
+        rows=torch.tensor(list(row_of), dtype=torch.long, device=device),
+        row_of=row_of,
         columns=columns,
-        seen=seen.to(device) if seen is not None and device is not None else seen,
+        seen=seen.to(device) if seen is not None else None,
         everyone_short=everyone_short,
     )
 
