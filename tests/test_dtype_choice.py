@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import speculum
-from speculum import accel, machine, models
+from speculum import accel, exact, machine, models
 from speculum.cli import app
 from speculum.models import dtype_probe, dtypes
 
@@ -36,15 +36,18 @@ def _isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_times(monkeypatch):
     """Replace the timing of a step by fixed numbers per dtype; counts the measurements made."""
-    state = {"bfloat16": SLOW, "float32": FAST, "measured": 0}
+    state = {"bfloat16": SLOW, "float32": FAST, "exact_cost": 1.0, "measured": 0}
     real_measure = dtype_probe._measure
 
     def step_ms(candidate, shape):
-        return dict(state["bfloat16" if candidate.dtype is torch.bfloat16 else "float32"])
+        times = dict(state["bfloat16" if candidate.dtype is torch.bfloat16 else "float32"])
+        if exact.is_exact(candidate.runner.model):  # bfloat16 timed in exact mode costs this much more
+            times = {width: ms * state["exact_cost"] for width, ms in times.items()}
+        return times
 
-    def counting_measure(config, prepack):
+    def counting_measure(config, prepack, exact=False):
         state["measured"] += 1
-        return real_measure(config, prepack)
+        return real_measure(config, prepack, exact)
 
     monkeypatch.setattr(dtype_probe._Candidate, "step_ms", step_ms)
     monkeypatch.setattr(dtype_probe, "_measure", counting_measure)
@@ -94,6 +97,29 @@ def test_bfloat16_must_win_clearly(model_dir, fake_times, bf16_share):
         assert choice.dtype is torch.bfloat16 and "kept" not in choice.reason
     else:
         assert choice.dtype is torch.float32 and "(within 15%: float32 kept)" in choice.reason
+
+
+def test_bfloat16_is_priced_in_exact_mode_where_it_would_run_so(model_dir, fake_times, monkeypatch):
+    """exact="auto" (load's default) turns exact mode on in bfloat16, so bfloat16 is timed with exact
+    mode's cost: where that cost eats bfloat16's lead, float32 (exact without it) is chosen."""
+    fake_times["float32"] = FAST
+    fake_times["bfloat16"] = {k: v * 0.7 for k, v in FAST.items()}  # 30% faster than float32 ...
+    fake_times["exact_cost"] = 1.3  # ... but 9% slower in exact mode
+    _, _, plain = models.load_with_dtype_choice(model_dir)  # exact not asked: bfloat16 as it is
+    assert plain.dtype is torch.bfloat16 and plain.ms_per_token["bfloat16"] == pytest.approx(0.7)
+    model, _, priced = models.load_with_dtype_choice(model_dir, exact="auto")
+    assert fake_times["measured"] == 2  # a verdict of its own, cached apart from the plain one
+    assert model.dtype is torch.float32 and priced.dtype is torch.float32
+    assert priced.ms_per_token["bfloat16"] == pytest.approx(0.91)
+    assert "vs bfloat16 in exact mode 0.91 ms/token" in priced.reason
+    assert len(cache_files()) == 2
+    assert models.load_with_dtype_choice(model_dir, exact=True)[2].cached  # True and "auto" time alike
+    fake_times["exact_cost"] = 1.05  # cheap exactness: bfloat16 still wins clearly
+    monkeypatch.setenv(dtypes.MEASURE_ENV, "refresh")
+    spec = speculum.load(model_dir)  # exact="auto" by default
+    assert spec.dtype_choice.dtype is torch.bfloat16 and spec.exact.enabled
+    assert "in exact mode" in spec.dtype_choice.reason
+    assert fake_times["measured"] == 3
 
 
 def test_float32_that_would_not_fit_in_memory_gives_bfloat16(model_dir, fake_times, monkeypatch):
@@ -367,7 +393,7 @@ def test_cli_generate_stats_prints_the_dtype_line(model_dir, fake_times):
     args = ["generate", PROMPT, "--model", model_dir, "--method", "anpd", "--max-new-tokens", "4", "--no-stream"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    line = f"dtype: float32 (auto: {f32_label()} 1 ms/token vs bfloat16 2 ms/token on this CPU, measured"
+    line = f"dtype: float32 (auto: {f32_label()} 1 ms/token vs bfloat16 in exact mode 2 ms/token on this CPU, measured"
     assert f"{line} in " in result.output
     result = CliRunner().invoke(app, args)  # cached now
     assert f"{line} earlier, cached)" in result.output

@@ -491,6 +491,7 @@ def load(
         device_map=device_map,
         offload_folder=offload_folder,
         prepack=bool(prepack),
+        exact=exact,
     )
     if prepack:
         accel.prepack(target)  # before building a self-draft, which then shares the packed layers

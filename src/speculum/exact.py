@@ -34,7 +34,7 @@ from speculum import exact_attention
 from speculum.errors import InvalidInputError
 from speculum.exact_attention import exact_attention_forward, in_prefill, whole_rows
 
-__all__ = ["ExactChoice", "make_exact", "min_invariant_rows", "wants_exact", "whole_rows"]
+__all__ = ["ExactChoice", "make_exact", "make_linears_exact", "min_invariant_rows", "wants_exact", "whole_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,33 +158,40 @@ def _split_rows(forward, inputs: int, min_rows: int):
 
 
 def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
-    """Switch ``model`` to exact mode in place (float64 attention; linear layers measured and split
+    """Switch ``model`` to exact mode in place (attention per query; linear layers measured and split
     or padded where their kernels need it). Calling it again changes nothing."""
     existing = getattr(model, "_speculum_exact", None)
     if existing is not None:
         return existing
     model.set_attn_implementation(EXACT_ATTENTION)
-    verdicts: dict[tuple, int | None] = {}
-    padded: dict[tuple[str, int], int] = {}
-    for name, module in _linear_modules(model):
-        weight = getattr(module, "weight", None)
-        outputs = getattr(module, "out_features", None) or (weight.shape[-1] if weight is not None else None)
-        key = (type(module), _in_features(module), outputs, _weight_dtype(module))
-        if key not in verdicts:
-            verdicts[key] = min_invariant_rows(module)
-        # where even ROWS rows part by slot, padding to ROWS is the best left (and said not guaranteed)
-        min_rows = verdicts[key] or ROWS
-        if min_rows > 1:
-            kind = name.rsplit(".", 1)[-1] or name
-            padded[(kind, min_rows)] = padded.get((kind, min_rows), 0) + 1
-        module.forward = _split_rows(module.forward, _in_features(module), min_rows)
-    guaranteed = all(v is not None for v in verdicts.values())
-    summary = tuple((kind, rows, count) for (kind, rows), count in sorted(padded.items()))
-    choice = ExactChoice(True, reason, rows=ROWS, padded=summary, guaranteed=guaranteed)
+    padded, guaranteed = make_linears_exact(model)
+    choice = ExactChoice(True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed)
     if not guaranteed:
         logger.warning("speculum: %s", choice.describe())
     model._speculum_exact = choice
     return choice
+
+
+def make_linears_exact(module: nn.Module) -> tuple[tuple[tuple[str, int, int], ...], bool]:
+    """Split or pad the calls of every linear layer in ``module`` (itself included) as exact mode
+    needs; returns (layer kind, rows, count) for the padded ones, and whether every kernel measured
+    row-count invariant that way (``ExactChoice.padded``, ``ExactChoice.guaranteed``)."""
+    verdicts: dict[tuple, int | None] = {}
+    padded: dict[tuple[str, int], int] = {}
+    for name, linear in _linear_modules(module):
+        weight = getattr(linear, "weight", None)
+        outputs = getattr(linear, "out_features", None) or (weight.shape[-1] if weight is not None else None)
+        key = (type(linear), _in_features(linear), outputs, _weight_dtype(linear))
+        if key not in verdicts:
+            verdicts[key] = min_invariant_rows(linear)
+        # where even ROWS rows part by slot, padding to ROWS is the best left (and said not guaranteed)
+        min_rows = verdicts[key] or ROWS
+        if min_rows > 1:
+            kind = name.rsplit(".", 1)[-1] or name or type(linear).__name__
+            padded[(kind, min_rows)] = padded.get((kind, min_rows), 0) + 1
+        linear.forward = _split_rows(linear.forward, _in_features(linear), min_rows)
+    guaranteed = all(v is not None for v in verdicts.values())
+    return tuple((kind, rows, count) for (kind, rows), count in sorted(padded.items())), guaranteed
 
 
 def is_exact(model: nn.Module) -> bool:

@@ -7,7 +7,8 @@ the model itself loads (the model is then loaded once, in the chosen dtype):
 - a stack of k of its decoder layers (k: enough layers that the weights stream from memory as in
   the whole model, at most ~256 MB; a single layer bigger than that is measured as a slice of its
   MLP and heads and scaled up) and its LM head (a slice of at most 64M weights for big vocabularies,
-  scaled by rows), in float32 and in bfloat16, each prepacked where ``load`` would prepack it;
+  scaled by rows), in float32 and in bfloat16, each prepacked where ``load`` would prepack it, and
+  bfloat16 in exact mode where ``load`` would turn it on (so its cost is part of the choice);
 - after 256 cached positions: a one-token decode step and verification forwards of 4 and 8 tokens,
   through the engine's own ``ModelRunner`` (so bfloat16's lazy LM head is priced as the engine runs
   it); the two candidates in interleaved rounds, the fastest of a few repetitions kept;
@@ -41,6 +42,7 @@ import transformers
 
 from speculum import accel, machine
 from speculum import cache as cache_ops
+from speculum import exact as exact_mode
 from speculum.runner import ModelRunner
 
 try:
@@ -49,7 +51,7 @@ except ImportError:  # pragma: no cover - older transformers: weights are initia
     no_init_weights = contextlib.nullcontext
 
 # bump when the measurement or the file changes: older timings are then measured again
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 _PAST = 256  # cached positions before the timed steps
 _VERIFY = {4: 2, 8: 3}  # verification width -> tokens it is assumed to commit (see _blend)
 _REPS = 3  # timed repetitions per shape (after one warm-up); the fastest is kept (other jobs only add time)
@@ -67,9 +69,9 @@ _SHAPE_FIELDS = (
 CacheKey = tuple[str, dict[str, Any]]  # the digest naming the cache file, and what it was made from
 
 
-def cache_key(config: Any, prepack: bool) -> CacheKey:
+def cache_key(config: Any, prepack: bool, exact: bool = False) -> CacheKey:
     """What the timings of the model of ``config`` depend on: the CPU, the libraries, the threads,
-    prepacking and the model's shapes (raises for a config without them)."""
+    prepacking, exact mode for bfloat16 and the model's shapes (raises for a config without them)."""
     text = _text_config(config)
     inputs = {
         "version": _CACHE_VERSION,
@@ -79,16 +81,20 @@ def cache_key(config: Any, prepack: bool) -> CacheKey:
         "mkldnn": torch.backends.mkldnn.is_available(),
         "threads": torch.get_num_threads(),
         "prepack": bool(prepack),
+        "exact": bool(exact),
         "model": {name: getattr(text, name, None) for name in _SHAPE_FIELDS},
     }
     blob = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest(), inputs
 
 
-def timings(config: Any, prepack: bool, key: CacheKey, *, refresh: bool = False) -> machine.Measured[dict[str, float]]:
+def timings(
+    config: Any, prepack: bool, key: CacheKey, *, exact: bool = False, refresh: bool = False
+) -> machine.Measured[dict[str, float]]:
     """Candidate label ("prepacked float32" or "float32", and "bfloat16") -> predicted ms per generated
     token for the model of ``config``: read from the cache file of ``key`` (:func:`cache_key`), or timed
-    now and cached there (``refresh``: timed again whatever the cache holds). The verdict's ``seconds``
+    now and cached there (``refresh``: timed again whatever the cache holds); ``exact``: bfloat16 timed
+    in exact mode (:mod:`speculum.exact`), as ``load`` would run it. The verdict's ``seconds``
     count the timing alone, not importing the model's code, which loading it imports anyway."""
     digest, inputs = key
     spent = 0.0
@@ -97,7 +103,7 @@ def timings(config: Any, prepack: bool, key: CacheKey, *, refresh: bool = False)
         nonlocal spent
         _import_model_code(config)
         t0 = time.perf_counter()
-        times = _measure(config, prepack)
+        times = _measure(config, prepack, exact)
         spent = time.perf_counter() - t0
         return times
 
@@ -167,14 +173,14 @@ def _import_model_code(config: Any) -> None:
         pass
 
 
-def _measure(config: Any, prepack: bool) -> dict[str, float]:
+def _measure(config: Any, prepack: bool, exact: bool = False) -> dict[str, float]:
     """Candidate label -> predicted ms per generated token, for float32 (prepacked if ``prepack``) and bfloat16."""
     with torch.random.fork_rng(devices=[]):  # random weights and inputs: the user's RNG stream is left as it was
         torch.manual_seed(0)
-        return _measure_both(_text_config(config), prepack)
+        return _measure_both(_text_config(config), prepack, exact)
 
 
-def _measure_both(text: Any, prepack: bool) -> dict[str, float]:
+def _measure_both(text: Any, prepack: bool, exact: bool) -> dict[str, float]:
     with torch.no_grad():
         stack, layer_scale = _build_stack(text)
         hidden, vocab = int(text.hidden_size), int(text.vocab_size)
@@ -186,9 +192,13 @@ def _measure_both(text: Any, prepack: bool) -> dict[str, float]:
     packed = bool(prepack) and accel.prepack(stack) > 0
     # bfloat16 as ``load`` runs it: prepacked too where the CPU computes it natively
     half_packed = bool(prepack) and accel.prepack(half_stack) > 0
+    half_head = accel.PackedLinear(half_head) if half_packed else half_head
+    if exact:  # bfloat16 priced with what exact mode costs: its attention and its split linear layers
+        exact_mode.make_exact(half_stack, "timed")
+        exact_mode.make_linears_exact(half_head)
     candidates = {
         "prepacked float32" if packed else "float32": _Candidate(stack, accel.PackedLinear(head) if packed else head),
-        "bfloat16": _Candidate(half_stack, accel.PackedLinear(half_head) if half_packed else half_head),
+        "bfloat16": _Candidate(half_stack, half_head),
     }
     del head
     try:

@@ -181,6 +181,7 @@ def choose_dtype(
     *,
     prepack: bool = True,
     measure: bool = True,
+    exact: bool = False,
 ) -> DtypeChoice:
     """:func:`resolve_dtype` with the reason, where ``"auto"`` on a CPU is measured for the model of ``config``.
 
@@ -191,7 +192,9 @@ def choose_dtype(
     ``config`` (a transformers config, or a function returning one when needed), with ``measure=False``
     or ``SPECULUM_DTYPE_MEASURE=0``: bfloat16, by the CPU flag. ``SPECULUM_DTYPE_MEASURE=refresh``
     measures again and replaces the cached decision (e.g. one measured while other jobs loaded the CPU).
-    A measurement that fails falls back on the flag rule too: loading never fails for it.
+    A measurement that fails falls back on the flag rule too: loading never fails for it. ``exact``:
+    bfloat16 would run in exact mode (:mod:`speculum.exact`), so it is timed that way: where exactness
+    costs more than bfloat16 saves, float32 (exact without it) is chosen and no text changes.
     """
     resolved = resolve_dtype(dtype, device)  # validates the name and the device kind first
     requested = _requested_name(dtype)
@@ -214,15 +217,15 @@ def choose_dtype(
     try:
         if callable(config):  # read lazily: only this branch needs the model's config
             config = config()
-        key = dtype_probe.cache_key(config, prepack)
+        key = dtype_probe.cache_key(config, prepack, exact)
     except Exception as error:  # noqa: BLE001 - an odd config: no caching, no measuring (the load reports it)
         return DtypeChoice(torch.bfloat16, f"{flag_rule} (not measured: {type(error).__name__})")
     try:
-        verdict = dtype_probe.timings(config, prepack, key, refresh=setting == "refresh")
+        verdict = dtype_probe.timings(config, prepack, key, exact=exact, refresh=setting == "refresh")
     except Exception as error:  # noqa: BLE001 - measuring is an optimisation: never a reason to fail a load
         logger.warning("speculum: could not time dtypes for this model (%s: %s)", type(error).__name__, error)
         return DtypeChoice(torch.bfloat16, f"{flag_rule} (measuring failed: {type(error).__name__})")
-    choice = _decide(verdict.value, verdict.cached, verdict.seconds)
+    choice = _decide(verdict.value, verdict.cached, verdict.seconds, exact)
     if verdict.provisional:
         load = verdict.load.describe() if verdict.load is not None else "load unknown"
         choice = replace(choice, provisional=True, load=load)
@@ -247,12 +250,13 @@ def _unless_out_of_memory(choice: DtypeChoice, config: Any) -> DtypeChoice:
     return replace(choice, dtype=torch.bfloat16, reason=choice.reason + why)
 
 
-def _decide(times: dict[str, float], cached: bool, seconds: float) -> DtypeChoice:
+def _decide(times: dict[str, float], cached: bool, seconds: float, exact: bool = False) -> DtypeChoice:
     """The faster candidate of ``times`` (label -> ms per token), float32 unless bfloat16 wins clearly."""
     f32_label = next(label for label in times if label != "bfloat16")
     f32, bf16 = times[f32_label], times["bfloat16"]
     dtype = torch.bfloat16 if bf16 < f32 * (1 - _FLOAT32_MARGIN) else torch.float32
-    reason = f"auto: {f32_label} {_ms(f32)} ms/token vs bfloat16 {_ms(bf16)} ms/token on this CPU"
+    half = "bfloat16 in exact mode" if exact else "bfloat16"
+    reason = f"auto: {f32_label} {_ms(f32)} ms/token vs {half} {_ms(bf16)} ms/token on this CPU"
     if dtype is torch.float32 and bf16 < f32:
         reason += f" (within {_FLOAT32_MARGIN:.0%}: float32 kept)"
     return DtypeChoice(dtype, reason, ms_per_token=dict(times), cached=cached, seconds=seconds)

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import torch
 
 from speculum.errors import InvalidInputError, ModelLoadError, SpeculumError
+from speculum.exact import wants_exact
 from speculum.models.convert import _converted_dir, _ensure_packaged, _is_converted, ensure_converted
 from speculum.models.dtypes import DtypeChoice, _check_device, choose_dtype, resolve_dtype
 from speculum.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, _is_installed
@@ -161,11 +162,13 @@ def load_with_dtype_choice(
     device_map: str | dict | None = None,
     offload_folder: str | os.PathLike | None = None,
     prepack: bool = True,
+    exact: bool | str = False,
 ) -> tuple[Any, Any, DtypeChoice]:
     """:func:`load_model`, also returning the dtype chosen and why. On a CPU, ``dtype="auto"`` times
     float32 (prepacked when ``prepack``, as ``speculum.load`` does) against bfloat16 on the model's
     shapes from its config before loading it, once per machine and model (cached; see
-    :func:`speculum.models.dtypes.choose_dtype`); the model is then loaded once, in the faster dtype."""
+    :func:`speculum.models.dtypes.choose_dtype`); the model is then loaded once, in the faster dtype.
+    ``exact`` (as :func:`speculum.load` takes it): bfloat16 is timed in exact mode where it would run so."""
     # lazily: transformers' auto classes take a second to import, which `import speculum` does not pay
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -188,6 +191,7 @@ def load_with_dtype_choice(
         lambda: _from_pretrained(AutoConfig, source, "config", **extra),  # read only if measuring
         prepack=prepack,
         measure=device_map is None,
+        exact=wants_exact(exact, torch.bfloat16)[0],
     )
     kwargs.update(dtype=choice.dtype, **extra)
     try:
