@@ -150,7 +150,9 @@ def test_a_provisional_verdict_is_kept_where_measuring_it_again_fails(load, monk
 
 
 def test_stats_say_when_the_dtype_and_the_cost_curve_are_provisional(load, monkeypatch, model_dir):
-    monkeypatch.setattr(dtype_probe, "_measure", lambda config, prepack: {"prepacked float32": 1.0, "bfloat16": 2.0})
+    monkeypatch.setattr(
+        dtype_probe, "_measure", lambda config, prepack, exact=False: {"prepacked float32": 1.0, "bfloat16": 2.0}
+    )
     monkeypatch.setenv(row_padding.PAD_ENV, "0")
     args = ["generate", "w1 w2 w3 w4 w1 w2 w3", "--model", model_dir, "--max-new-tokens", "4", "--no-stream"]
     load[0] = BUSY
