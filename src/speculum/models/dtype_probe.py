@@ -88,13 +88,11 @@ def cache_key(config: Any, prepack: bool, exact: bool = False) -> CacheKey:
     return hashlib.sha256(blob.encode()).hexdigest(), inputs
 
 
-def timings(
-    config: Any, prepack: bool, key: CacheKey, *, exact: bool = False, refresh: bool = False
-) -> machine.Measured[dict[str, float]]:
+def timings(config: Any, prepack: bool, key: CacheKey, *, refresh: bool = False) -> machine.Measured[dict[str, float]]:
     """Candidate label ("prepacked float32" or "float32", and "bfloat16") -> predicted ms per generated
     token for the model of ``config``: read from the cache file of ``key`` (:func:`cache_key`), or timed
-    now and cached there (``refresh``: timed again whatever the cache holds); ``exact``: bfloat16 timed
-    in exact mode (:mod:`speculum.exact`), as ``load`` would run it. The verdict's ``seconds``
+    now and cached there (``refresh``: timed again whatever the cache holds); bfloat16 in exact mode
+    (:mod:`speculum.exact`) where ``key`` says so, as ``load`` would run it. The verdict's ``seconds``
     count the timing alone, not importing the model's code, which loading it imports anyway."""
     digest, inputs = key
     spent = 0.0
@@ -103,7 +101,7 @@ def timings(
         nonlocal spent
         _import_model_code(config)
         t0 = time.perf_counter()
-        times = _measure(config, prepack, exact)
+        times = _measure(config, prepack, inputs["exact"])
         spent = time.perf_counter() - t0
         return times
 

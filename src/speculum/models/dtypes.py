@@ -221,7 +221,7 @@ def choose_dtype(
     except Exception as error:  # noqa: BLE001 - an odd config: no caching, no measuring (the load reports it)
         return DtypeChoice(torch.bfloat16, f"{flag_rule} (not measured: {type(error).__name__})")
     try:
-        verdict = dtype_probe.timings(config, prepack, key, exact=exact, refresh=setting == "refresh")
+        verdict = dtype_probe.timings(config, prepack, key, refresh=setting == "refresh")
     except Exception as error:  # noqa: BLE001 - measuring is an optimisation: never a reason to fail a load
         logger.warning("speculum: could not time dtypes for this model (%s: %s)", type(error).__name__, error)
         return DtypeChoice(torch.bfloat16, f"{flag_rule} (measuring failed: {type(error).__name__})")
