@@ -118,9 +118,11 @@ class DraftModelState:
     def catch_up(self, tokens: list[int]) -> int:
         """Crop the cache to the longest prefix it shares with the committed ``tokens`` (always
         leaving the last one to feed); returns its length. Only positions after the tokens already
-        committed at the last round can differ, so only those are compared."""
-        keep = self.committed
+        committed at the last round can differ, so only those are compared. A round begun again
+        on the same tokens (its batched forward raised: each row drafts alone) catches up as the
+        first did."""
         limit = min(len(self.seen), len(tokens) - 1)
+        keep = min(self.committed, limit)
         while keep < limit and self.seen[keep] == tokens[keep]:
             keep += 1
         self.runner.crop(self.cache, keep)
@@ -179,15 +181,22 @@ def catch_up_clock(resources: Resources, model: torch.nn.Module, kind: str = "dr
 @contextmanager
 def side_by_side(runner, states: list[DraftModelState]) -> Iterator[tuple[object, list[int]]]:
     """The rows' draft caches side by side for one round (the target's batch layout, ``cache.join``)
-    with each row's length, to be kept up to date by the caller; each state gets its row back at the end."""
+    with each row's length, to be kept up to date by the caller; each state gets its row back at the end.
+
+    The caller extends a row's ``seen`` only once the forward that fed those tokens is committed,
+    so each row gets back the columns its ``seen`` holds: also when the round raises part way,
+    its state stays consistent and the row can draft alone from there."""
     cache = runner.new_cache()
     lengths = []
     for n, state in enumerate(states):
         lengths.append(len(state.seen))
         cache_ops.join(cache, n, state.cache)
-    yield cache, lengths
-    for state, row_cache in zip(states, cache_ops.split_rows(cache, lengths), strict=True):
-        state.cache = row_cache
+    try:
+        yield cache, lengths
+    finally:
+        seen = [len(state.seen) for state in states]
+        for state, row_cache in zip(states, cache_ops.split_rows(cache, seen), strict=True):
+            state.cache = row_cache
 
 
 def begin_rows(drafters: list, ctxs: list[DraftContext]) -> tuple[list, list[int], list[Draft | None] | None]:
