@@ -284,7 +284,9 @@ class ModelRunner:
             ids[r, size:] = tree.tokens[0]
             positions[r, :size] = tree.position_ids(length)
             positions[r, size:] = length
-            allowed[r, :, :length] = True  # the row's own cache (its leftover columns stay masked)
+            # the row's own cache (its leftover columns stay masked), for its tree's nodes only: a
+            # padding node that saw it too would cost exact attention a call per layer past 512 keys
+            allowed[r, :size, :length] = True
             allowed[r, :size, columns : columns + size] = tree.ancestor_mask
         positions = positions.to(device)
         inputs = dict(
