@@ -114,30 +114,44 @@ def _device(module: nn.Module) -> torch.device:
 def min_invariant_rows(module: nn.Module, forward=None, seed: int = 0) -> int | None:
     """The fewest rows ``m`` such that a row's output is the same bits in every call of ``m`` to
     ``ROWS`` rows, in any slot (1: any call as it is); None where calls of exactly ``ROWS`` rows
-    already part by slot. Measured on random inputs: kernels choose their path by shape, not values."""
+    already part by slot. Measured on random inputs: kernels choose their path by shape, not values.
+
+    Every slot of every call is checked: a kernel can round an inner slot apart while the first and
+    the last agree. Each row's reference is its output in a call of ``ROWS`` rows; each call probed
+    takes a run of the same rows, so that every row lands in another slot or beside other rows."""
     forward = forward or module.forward
     inputs = _in_features(module)
     generator = torch.Generator().manual_seed(seed)
     dtype, device = _weight_dtype(module), _device(module)
-    row = torch.randn(1, inputs, generator=generator).to(device, dtype)
+    rows = torch.randn(2 * ROWS, inputs, generator=generator).to(device, dtype)
+    reference = torch.cat([forward(rows[:ROWS]), forward(rows[ROWS:])])
 
-    def outputs(rows: int) -> list[torch.Tensor]:
-        found = []
-        for slot in sorted({0, rows // 2, rows - 1}):
-            batch = torch.randn(rows, inputs, generator=generator).to(device, dtype)
-            batch[slot] = row[0]
-            found.append(forward(batch)[slot])
-        return found
+    def agrees(start: int, count: int) -> bool:
+        return torch.equal(forward(rows[start : start + count]), reference[start : start + count])
 
-    reference = outputs(ROWS)
-    if not all(torch.equal(out, reference[0]) for out in reference):
+    # a call of ROWS rows straddling the two references: each row ROWS // 2 slots from its own
+    if not agrees(ROWS // 2, ROWS):
         return None
     fewest = ROWS
-    for rows in range(ROWS - 1, 0, -1):
-        if not all(torch.equal(out, reference[0]) for out in outputs(rows)):
+    for count in range(ROWS - 1, 0, -1):
+        # in the slots it has in the reference, and straddling the two references (shifted slots)
+        if not (agrees(0, count) and agrees(ROWS - count // 2, count)):
             break
-        fewest = rows
+        fewest = count
     return fewest
+
+
+def _verdict_key(linear: nn.Module) -> tuple:
+    """What decides which kernel a linear layer's calls take, so layers alike share one probe: its
+    type and shape, its dtype, whether it adds a bias (``addmm`` rather than ``mm``) and, for a
+    ``PackedLinear``, how it runs small forwards (padded to ``min_rows``; on a dense copy up to
+    ``dense_rows``)."""
+    weight = getattr(linear, "weight", None)
+    outputs = getattr(linear, "out_features", None) or (weight.shape[-1] if weight is not None else None)
+    bias = getattr(linear, "bias", None) is not None
+    dense_rows = getattr(linear, "dense_rows", 0) if getattr(linear, "dense_weight", None) is not None else 0
+    small_forwards = (getattr(linear, "min_rows", 1), dense_rows)
+    return type(linear), _in_features(linear), outputs, _weight_dtype(linear), bias, small_forwards
 
 
 def _split_rows(forward, inputs: int, min_rows: int):
@@ -179,9 +193,7 @@ def make_linears_exact(module: nn.Module) -> tuple[tuple[tuple[str, int, int], .
     verdicts: dict[tuple, int | None] = {}
     padded: dict[tuple[str, int], int] = {}
     for name, linear in _linear_modules(module):
-        weight = getattr(linear, "weight", None)
-        outputs = getattr(linear, "out_features", None) or (weight.shape[-1] if weight is not None else None)
-        key = (type(linear), _in_features(linear), outputs, _weight_dtype(linear))
+        key = _verdict_key(linear)
         if key not in verdicts:
             verdicts[key] = min_invariant_rows(linear)
         # where even ROWS rows part by slot, padding to ROWS is the best left (and said not guaranteed)
