@@ -29,8 +29,10 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(dtypes.MEASURE_ENV, raising=False)
     monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
-    # a machine at rest (other jobs on this one would make every verdict provisional)
+    # a machine at rest (other jobs on this one would make every verdict provisional): a quiet load
+    # average, and no CPU time read while measuring, so that the load average judges alone
     monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
+    monkeypatch.setattr(machine, "cpu_time", lambda: None)
 
 
 @pytest.fixture

@@ -27,9 +27,11 @@ PADDING_MS = {"1": 15.0, "1 padded": 10.0, "2": 17.0, "2 padded": 10.0}
 
 @pytest.fixture
 def load(monkeypatch, tmp_path):
-    """The 1-minute load average the caches see (set ``load[0]``); every cache in ``tmp_path``."""
+    """The 1-minute load average the caches see (set ``load[0]``); every cache in ``tmp_path``. No CPU
+    time is read while measuring (tests/test_machine_window.py judges that): the load average alone."""
     value = [AT_REST]
     monkeypatch.setattr("os.getloadavg", lambda: (value[0], value[0], value[0]), raising=False)
+    monkeypatch.setattr(machine, "cpu_time", lambda: None)
     monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(costs, "costs_dir", lambda: tmp_path / "costs")
     monkeypatch.delenv(dtypes.MEASURE_ENV, raising=False)

@@ -8,19 +8,32 @@ and the cost curve of verification forwards (:mod:`speculum.costs`). They share 
   first: on Linux that prints the architecture, ``x86_64``, which two CPU models share), its flags, the
   architecture, the number of CPUs and the kernels PyTorch dispatches to; part of every cache key.
 - :func:`current_load`: how busy the CPUs are with other work, from the 1-minute load average.
+- :func:`cpu_time`: the CPU time the whole machine and this process have spent (``/proc/stat``), sampled
+  before and after a measurement to see the other work that ran while it was taken.
 - :func:`measured`: measure, or read back, a verdict cached as versioned JSON with the load it was
-  measured under. A verdict measured while the machine was busy is *provisional*: it is used, and
-  measured again by a later load that finds the machine at rest (then it is final). A verdict
-  measured at rest is final and read back until its key changes or the caller asks to refresh.
+  measured under. A verdict measured while the machine was busy, just before or while measuring, is
+  *provisional*: it is used, and measured again by a later load that finds the machine at rest (then it
+  is final). A verdict measured at rest is final and read back until its key changes or the caller asks
+  to refresh.
 
-The busy rule. The load average counts runnable threads, this process's own among them, so its own
-share is estimated first: the CPUs it kept busy on average since it started (CPU time over age),
-at most its thread count. What is left, divided by ``os.cpu_count()`` (the load average counts the
-whole machine, so all its CPUs), is the other work per CPU. Over ``BUSY_SHARE`` (0.5: other work on
-half the CPUs, which with hyper-threading is a thread on every physical core) the machine is busy. A
-provisional verdict is measured again only at or under ``REST_SHARE`` (0.25): the gap keeps a load
-hovering near one threshold from measuring at every start. Where there is no load average (Windows)
-every verdict is final, as before.
+The busy rule, before measuring. The load average counts runnable threads, this process's own among
+them, so its own share is estimated first: the CPUs it kept busy on average since it started (CPU time
+over age), at most its thread count. What is left, divided by ``os.cpu_count()`` (the load average
+counts the whole machine, so all its CPUs), is the other work per CPU. Over ``BUSY_SHARE`` (0.5: other
+work on half the CPUs, which with hyper-threading is a thread on every physical core) the machine is
+busy. A provisional verdict is measured again only at or under ``REST_SHARE`` (0.25): the gap keeps a
+load hovering near one threshold from measuring at every start.
+
+The busy rule, while measuring. The load average moves over a minute: a job that starts just before or
+during a measurement hardly shows in it. So the CPU time the machine spent busy over the measurement
+(``/proc/stat``) is taken too, less this process's own (its measuring is not other work) and less one
+clock tick per CPU (what ``/proc/stat``'s counts may round away, so that a short window is never busy by
+rounding), per CPU and second of the window. CPU time counts what other work *got*, not what it asked
+for: while the measurement's threads hold every CPU, other threads on half the CPUs (busy by the rule
+above) get a third of the CPU time. So the window is busy over ``WINDOW_BUSY_SHARE``,
+``BUSY_SHARE / (1 + BUSY_SHARE)`` (a third); on two CPUs, one other busy thread is enough. Where there
+is no ``/proc/stat`` (macOS, Windows) the load average before measuring judges alone, and where there is
+no load average either (Windows) every verdict is final.
 
 This module imports nothing else of speculum but the file writer of :mod:`speculum.poolfile` (a leaf
 too): every module may use it. torch is imported inside the functions that ask it, so that this leaf
@@ -37,7 +50,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -48,6 +61,7 @@ log = logging.getLogger("speculum")
 CACHE_ENV = "SPECULUM_CACHE"
 BUSY_SHARE = 0.5  # other work per CPU over which a measurement is provisional
 REST_SHARE = 0.25  # other work per CPU at or under which a provisional one is measured again
+WINDOW_BUSY_SHARE = BUSY_SHARE / (1 + BUSY_SHARE)  # CPU time other work got while measuring, per CPU
 _IMPORTED = time.monotonic()  # this process's age where /proc cannot tell it
 
 T = TypeVar("T")
@@ -144,32 +158,50 @@ def native_bf16(device: Any) -> bool:
 @dataclass(frozen=True)
 class Load:
     """How busy the machine was: the 1-minute load average (None where there is none), this process's
-    own estimated share of it, the CPUs and this process's threads."""
+    own estimated share of it, the CPUs and this process's threads; ``measuring``: the CPU time other
+    work got while measuring, per CPU (None: not measured, or no ``/proc/stat``)."""
 
     load1: float | None
     own: float
     cpus: int
     threads: int
+    measuring: float | None = None
 
     @property
     def others(self) -> float | None:
-        """Other work per CPU (see the module's docstring), or None without a load average."""
+        """Other work per CPU from the load average (see the module's docstring), or None without one."""
         if self.load1 is None:
             return None
         return max(0.0, self.load1 - self.own) / max(self.cpus, 1)
 
     @property
+    def busy_measuring(self) -> bool:
+        return self.measuring is not None and self.measuring > WINDOW_BUSY_SHARE
+
+    @property
     def busy(self) -> bool:
         others = self.others
-        return others is not None and others > BUSY_SHARE
+        return self.busy_measuring or (others is not None and others > BUSY_SHARE)
 
     @property
     def at_rest(self) -> bool:
         others = self.others
-        return others is None or others <= REST_SHARE
+        return not self.busy_measuring and (others is None or others <= REST_SHARE)
 
     def describe(self) -> str:
-        return f"load {self.load1:.1f} on {self.cpus} CPUs" if self.load1 is not None else "load unknown"
+        text = f"load {self.load1:.1f} on {self.cpus} CPUs" if self.load1 is not None else "load unknown"
+        if self.measuring is not None:
+            text += f", other work on {self.measuring * self.cpus:.1f} CPUs while measuring"
+        return text
+
+    def while_measuring(self, before: CpuTime | None, after: CpuTime | None) -> Load:
+        """This load with the CPU time other work got between two samples of :func:`cpu_time`."""
+        if before is None or after is None:
+            return self
+        cpus = max(self.cpus, 1)
+        others = (after.machine - before.machine) - (after.own - before.own) - cpus * after.tick
+        seconds = max(after.wall - before.wall, after.tick)
+        return replace(self, measuring=max(0.0, others) / (seconds * cpus))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -177,15 +209,48 @@ class Load:
             "own": round(self.own, 3),
             "cpus": self.cpus,
             "threads": self.threads,
+            "measuring": None if self.measuring is None else round(self.measuring, 3),
             "busy": self.busy,
         }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Load:
-        load1 = doc.get("load_average")
+        load1, measuring = doc.get("load_average"), doc.get("measuring")
         return cls(
-            None if load1 is None else float(load1), float(doc.get("own", 0.0)), int(doc["cpus"]), int(doc["threads"])
+            None if load1 is None else float(load1),
+            float(doc.get("own", 0.0)),
+            int(doc["cpus"]),
+            int(doc["threads"]),
+            None if measuring is None else float(measuring),
         )
+
+
+@dataclass(frozen=True)
+class CpuTime:
+    """CPU seconds spent so far by the whole machine (all CPUs) and by this process, at ``wall``
+    (``time.monotonic()``); ``tick``: the unit ``/proc/stat`` counts in."""
+
+    machine: float
+    own: float
+    wall: float
+    tick: float
+
+
+def cpu_time() -> CpuTime | None:
+    """The CPU time spent so far, or None where ``/proc/stat`` cannot tell it (not Linux)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        if fields[0] != "cpu":
+            raise ValueError("no cpu line")
+        # user, nice, system, idle, iowait, irq, softirq, steal: all but idle and iowait kept a CPU
+        # busy (steal too: another virtual machine had it); guest time is already counted in user
+        ticks = [int(field) for field in fields[1:9]]
+        busy = sum(ticks) - sum(ticks[3:5])
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return CpuTime(busy * tick, time.process_time(), time.monotonic(), tick)
 
 
 def _own_cpus() -> float:
@@ -222,8 +287,9 @@ def current_load(threads: int | None = None) -> Load:
 @dataclass(frozen=True)
 class Measured(Generic[T]):
     """A verdict from :func:`measured`: ``cached``: read back, not measured now; ``provisional``: measured
-    while the machine was busy (used, and measured again at rest); ``load``: the load it was measured
-    under; ``seconds``: time spent measuring now; ``path``: the file that holds it (None: not written)."""
+    while the machine was busy, just before or while measuring (used, and measured again at rest);
+    ``load``: the load it was measured under; ``seconds``: time spent measuring now; ``path``: the file
+    that holds it (None: not written)."""
 
     value: T
     cached: bool
@@ -252,10 +318,11 @@ def measured(
 ) -> Measured[T]:
     """The verdict cached at ``path``, or ``measure()`` now and cached there.
 
-    The file is JSON: ``encode(value)``'s fields with ``version``, ``provisional``, ``load`` and ``seconds``
-    beside them. It is read back when its version is ``version`` and ``decode`` accepts it (it raises
-    ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` otherwise: measured again, never an
-    error), unless ``refresh``, or it is provisional and the machine is now at rest. What ``measure``
+    The file is JSON: ``encode(value)``'s fields with ``version``, ``provisional``, ``load`` (the load
+    average before measuring and the other work while measuring) and ``seconds`` beside them. It is read
+    back when its version is ``version`` and ``decode`` accepts it (it raises ``ValueError``,
+    ``KeyError``, ``TypeError`` or ``AttributeError`` otherwise: measured again, never an error), unless
+    ``refresh``, or it is provisional and the machine is now at rest. What ``measure``
     raises propagates; a file that cannot be written costs a re-measure next time, nothing more."""
     found = None
     if not refresh:
@@ -269,6 +336,7 @@ def measured(
                 return Measured(value, True, True, load, path=path)
             log.info("speculum: the %s was measured while the CPU was busy; measuring it again at rest", what)
     load = current_load()  # before measuring: its own threads are not other work
+    before = cpu_time()
     start = time.perf_counter()
     try:
         value = measure()
@@ -278,6 +346,7 @@ def measured(
         log.warning("speculum: measuring the %s again failed; keeping the provisional one", what, exc_info=True)
         return Measured(found[0], True, True, found[2], path=path)
     seconds = time.perf_counter() - start
+    load = load.while_measuring(before, cpu_time())  # a job that started meanwhile is not in the load average
     doc = {**encode(value), "version": version, "provisional": load.busy, "load": load.to_dict(), "seconds": seconds}
     written: Path | None = path
     try:
