@@ -99,7 +99,13 @@ class _Proposer:
         self.k = k
         self.max_model_len = int(_config_value(vllm_config, "model_config", "max_model_len", default=1 << 62))
         self.eos = _eos_ids(vllm_config)
-        options = dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {})
+        options = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+        if options is not None and not isinstance(options, dict):
+            raise InvalidInputError(
+                f'{self.method}: additional_config["{CONFIG_KEY}"] must be a JSON object of options '
+                f'({{"{CONFIG_KEY}": {{"name": value, ...}}}}), got {type(options).__name__} {options!r}'
+            )
+        options = dict(options or {})
         own = {name: options.pop(name) for name in list(options) if name in self.OWN_OPTIONS}
         for name, kind in self.OWN_OPTIONS.items():
             if name in own and (not isinstance(own[name], kind) or (kind is int and isinstance(own[name], bool))):
@@ -135,14 +141,17 @@ class _Proposer:
         """One list of draft tokens per row (at most ``num_speculative_tokens``), ``[]`` for a row
         that sampled nothing this step (a prompt still being prefilled) or has no room left."""
         started = time.perf_counter()
-        self._step_ended(started)
         taken: set[int] = set()
         rows: list[Row] = []
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        timed = True  # whether this step's time will be a decoding step's
+        # a prompt prefilled in a step shows first in the call that ends it: as a row that sampled
+        # nothing (a chunk prefilled, more to come) or as a new request (its last chunk prefilled)
+        prefilled = False  # the step that just ended prefilled a prompt
+        timed = True  # whether the next step's time will be a decoding step's
         observed = committed = 0  # rows that continued from the last step, and the tokens it committed them
         for i, sampled in enumerate(sampled_token_ids):
             if len(sampled) == 0:
+                prefilled = True
                 timed = False
                 continue
             n = int(num_tokens_no_spec[i])
@@ -161,7 +170,7 @@ class _Proposer:
                 wants_scores=True,
             )
             if new:
-                timed = False
+                prefilled = True
                 self._start(state, ctx)
             else:
                 observed += 1
@@ -169,6 +178,7 @@ class _Proposer:
                 self._observe(state, ctx, [int(t) for t in sampled])
             rows.append(Row(i, state, ctx, self._chains(state, ctx)))
             state.moved_to(tokens)
+        self._step_ended(started, prefilled)
         self._step_observed(observed, committed, started)
         self._add_chains(rows)
         for row, (draft, meta) in zip(rows, self._choose([row.chains for row in rows]), strict=True):
@@ -265,8 +275,9 @@ class _Proposer:
     def _add_chains(self, rows: list[Row]) -> None:
         """Chains of the drafters that draft for every row at once (``BATCHED``), added to the rows'."""
 
-    def _step_ended(self, now: float) -> None:
-        """A step of vLLM's ended (the plain proposers do not time it)."""
+    def _step_ended(self, now: float, prefilled: bool) -> None:
+        """A step of vLLM's ended at ``now``; ``prefilled``: it prefilled a prompt too (the plain
+        proposers do not time it)."""
 
     def _step_observed(self, rows: int, committed: int, now: float) -> None:
         """The last step's rows observed: ``committed`` tokens over ``rows`` rows (a timed step's)."""
@@ -356,7 +367,7 @@ class Auto(_Proposer):
         self._drafting = False  # the draft model runs in the step being proposed
         self._drafted = False  # it ran in the step vLLM is running
         self._propose_began: float | None = None  # when the last propose call began
-        self._last_timed = False  # the step vLLM is running is a decoding step alone (timed)
+        self._last_timed = False  # the step vLLM is running (then, the one that ended) is a decoding step alone
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Load the draft model, if one is named (vLLM calls this once the target is loaded)."""
@@ -451,8 +462,9 @@ class Auto(_Proposer):
         draft = f"; {self.gate.summary()}" if self.draft is not None else ""
         return f"{super().summary()}; {cost} ({self.cost.steps} steps timed){draft}"
 
-    def _step_ended(self, now: float) -> None:
-        self.cost.step_ended(now)
+    def _step_ended(self, now: float, prefilled: bool) -> None:
+        self.cost.step_ended(now, prefilled=prefilled)
+        self._last_timed = self._last_timed and not prefilled
 
     def _step_observed(self, rows: int, committed: int, now: float) -> None:
         """The gate's evidence: what the last step committed a row, in plain steps' time (vLLM's

@@ -6,7 +6,8 @@ target's forward over every row and its draft tokens, sampling, and the proposer
 model is linear in the tokens the step verified, t = a + b * tokens, fitted by least squares with
 old steps slowly forgotten, from a prior until measured: the cheaper a token beside the rows'
 own one, the longer the drafts that pay. A step that also prefilled a prompt, or followed an idle
-gap, says nothing of a decoding step and is left out.
+gap, says nothing of a decoding step and is left out; a prompt prefilled in a step shows first in
+the call that ends it, so that step is known for one only when it ends.
 """
 
 from __future__ import annotations
@@ -67,16 +68,17 @@ class StepCost:
         return b / (a + b * tokens)
 
     def step_started(self, tokens: int | None, now: float | None = None) -> None:
-        """``propose`` returns: the next step verifies ``tokens`` (None: it also prefills, or its
-        time is not a decoding step's). The time until the next call is that step's."""
+        """``propose`` returns: the next step verifies ``tokens`` (None: it goes on prefilling a
+        prompt, or its time is not a decoding step's). The time until the next call is that step's."""
         now = time.perf_counter() if now is None else now
         self._last_call = now
         self._pending = tokens
 
-    def step_ended(self, now: float | None = None) -> None:
-        """``propose`` is called: the step started at the last call has ended."""
+    def step_ended(self, now: float | None = None, prefilled: bool = False) -> None:
+        """``propose`` is called: the step started at the last call has ended. ``prefilled``: it
+        prefilled a prompt too (the call sees it first), so it is not recorded."""
         now = time.perf_counter() if now is None else now
-        if self._last_call is None or self._pending is None:
+        if self._last_call is None or self._pending is None or prefilled:
             return
         seconds = now - self._last_call
         x = float(self._pending)
