@@ -35,6 +35,9 @@ class DraftOptions:
     draft: str | None = None  # a packaged alias, a local Hugging Face directory or a hub id (None: no draft)
     draft_depth: int | None = None  # most tokens a chain (None: num_speculative_tokens)
     draft_confidence: float = 0.8  # the draft drafts on while its next token's probability is at least this
+    # positions of draft KV cache held across steps, all requests together: vLLM budgets its GPU memory
+    # for the target alone, so the draft's caches must stay small beside it
+    max_draft_positions: int = 32768
 
     @classmethod
     def take(cls, options: dict, method: str) -> DraftOptions:
@@ -47,6 +50,9 @@ class DraftOptions:
             not isinstance(out.draft_depth, int) or isinstance(out.draft_depth, bool) or out.draft_depth < 1
         ):
             raise InvalidInputError(f"{method}: draft_depth must be an integer >= 1, got {out.draft_depth!r}")
+        p = out.max_draft_positions
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise InvalidInputError(f"{method}: max_draft_positions must be an integer >= 1, got {p!r}")
         c = out.draft_confidence
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
             raise InvalidInputError(f"{method}: draft_confidence must be a number in [0, 1), got {c!r}")
@@ -92,6 +98,33 @@ class DraftModel:
             confidence_threshold=self.options.draft_confidence,
         )
         return draft_model.DraftModelDrafter(options, self.resources)
+
+    def fitting(self, drafters: list, ctxs: list) -> list[int]:
+        """The rows (indices) that draft this step: those whose draft caches, grown by this step,
+        fit in ``max_draft_positions`` together. Rows already holding a cache come first (a cache
+        dropped is fed again), shorter ones first; the others' caches are released, and they draft
+        again once they fit."""
+        need = [len(ctx.tokens) + ctx.max_depth for ctx in ctxs]  # the most a row's cache holds after the step
+        order = sorted(range(len(drafters)), key=lambda i: (not self.held(drafters[i]), need[i]))
+        fits, total = [], 0
+        for i in order:
+            if total + need[i] <= self.options.max_draft_positions:
+                fits.append(i)
+                total += need[i]
+            else:
+                self.release(drafters[i])
+        return sorted(fits)
+
+    @staticmethod
+    def held(drafter: Any) -> int:
+        """Positions of draft cache ``drafter`` holds."""
+        return len(drafter.state.seen)
+
+    @staticmethod
+    def release(drafter: Any) -> None:
+        """Free ``drafter``'s draft cache; its request's next draft feeds its context again."""
+        if drafter.state.seen:
+            drafter.state.reset()
 
     @staticmethod
     def propose_rows(drafters: list, ctxs: list) -> list:

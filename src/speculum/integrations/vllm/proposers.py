@@ -18,8 +18,9 @@ rejection sampler. The proposers here drive speculum's drafters through their ow
 Options come through ``--additional-config '{"speculum": {...}}'`` (``VllmConfig.additional_config``):
 any option of the method's drafters (``speculum.drafters.anpd.Options``, ``prompt_lookup``'s
 ``max_matching_ngram_size``, ``phrases``' ``ngram_size``, ``guess_set_size`` and ``max_pool_keys``),
-plus ``shared_table``, ``max_requests`` (request states kept) and, for ``Auto``, ``phrases`` (false:
-no phrase pool) and ``draft``, ``draft_depth``, ``draft_confidence`` (:class:`~.draft.DraftOptions`).
+plus ``shared_table``, ``max_requests`` (request states kept; default: vLLM's ``max_num_seqs``) and,
+for ``Auto``, ``phrases`` (false: no phrase pool) and ``draft``, ``draft_depth``, ``draft_confidence``,
+``max_draft_positions`` (:class:`~.draft.DraftOptions`).
 
 A draft never changes vLLM's greedy output: texts equal vLLM's plain decoding. Sampled output is
 vLLM's rejection sampling of a one-hot draft (a token list carries no draft probabilities), which
@@ -112,7 +113,9 @@ class _Proposer:
                 raise InvalidInputError(f"{self.method}: {name} must be {kind.__name__}, got {own[name]!r}")
         self.own_options = own
         self.shared_table = own.get("shared_table", False)
-        max_requests = own.get("max_requests", 256)
+        # by default as many request states as vLLM runs requests at once
+        max_num_seqs = int(_config_value(vllm_config, "scheduler_config", "max_num_seqs", default=256))
+        max_requests = own.get("max_requests", max_num_seqs)
         if max_requests < 1:
             raise InvalidInputError(f"{self.method}: max_requests must be >= 1, got {max_requests}")
         self.options = self._drafter_options(options)
@@ -188,6 +191,8 @@ class _Proposer:
             self.proposed_tokens += len(draft)
             if meta:
                 self.by_drafter.setdefault(meta[0][0], [0, 0])[0] += len(draft)
+        # vLLM never says a request ended: a state no row claimed this step gives back its memory
+        self._release(self.requests.end_step(taken))
         self.steps += 1
         if self.steps % LOG_EVERY == 0:
             log.info("%s", self.summary())
@@ -274,6 +279,10 @@ class _Proposer:
 
     def _add_chains(self, rows: list[Row]) -> None:
         """Chains of the drafters that draft for every row at once (``BATCHED``), added to the rows'."""
+
+    def _release(self, states: list[RequestState]) -> None:
+        """Free what ``states``, claimed by no row this step, hold that costs memory (the plain
+        proposers' n-gram tables are kept: a request that comes back drafts from them at once)."""
 
     def _step_ended(self, now: float, prefilled: bool) -> None:
         """A step of vLLM's ended at ``now``; ``prefilled``: it prefilled a prompt too (the plain
@@ -404,12 +413,24 @@ class Auto(_Proposer):
         for row in rows:
             row.ctx.chain_stop = ChainStop(self.calibration, lambda n: share + b * n, "draft_model")
         drafters = [row.state.data["drafters"]["draft_model"] for row in rows]
+        fitting = self.draft.fitting(drafters, [row.ctx for row in rows])  # the rows whose draft caches fit
+        rows, drafters = [rows[i] for i in fitting], [drafters[i] for i in fitting]
+        self._drafting = bool(rows)
+        if not rows:
+            return
         for row, draft in zip(rows, self.draft.propose_rows(drafters, [row.ctx for row in rows]), strict=True):
             tokens = draft.tokens[: row.ctx.max_depth] if draft is not None else []
             row.state.data["drafts"]["draft_model"] = tokens
             if tokens:
                 scores = list(draft.scores[: len(tokens)]) if draft.scores is not None else [None] * len(tokens)
                 row.chains.append(("draft_model", tokens, scores))
+
+    def _release(self, states: list[RequestState]) -> None:
+        """The draft caches of requests no row claimed go (a request that comes back feeds its
+        context again); their n-gram tables stay."""
+        if self.draft is not None:
+            for state in states:
+                self.draft.release(state.data["drafters"]["draft_model"])
 
     def _learn(self, state: RequestState, accepted: int) -> None:
         for j, (name, score, depth) in enumerate(state.data.get("meta", [])):

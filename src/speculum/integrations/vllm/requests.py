@@ -3,14 +3,17 @@
 vLLM hands a ``custom_class`` proposer batch slots, not requests: a slot is reused when a request
 ends, and requests move between slots when the batch is condensed. So a request's state (its n-gram
 table, what was last proposed for it) is keyed by what the row holds: its first tokens, checked
-against the tokens it ended with at the last step. A state that no row claims for a while is
-evicted, least recently used first. A wrong match can only cost speed, never output: vLLM verifies
-every proposed token against the target.
+against the tokens it ended with at the last step. vLLM never says that a request ended, so what is
+kept is settled at the end of each step (``end_step``): states beyond the capacity are evicted,
+least recently claimed first, but never one a row claimed in that step (more rows in flight than
+the capacity must not evict each other's states and start them again). A wrong match can only cost
+speed, never output: vLLM verifies every proposed token against the target.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +46,8 @@ class RequestState:
 
 
 class RequestStates:
-    """Request states by content, at most ``capacity`` of them (least recently claimed evicted)."""
+    """Request states by content: at the end of a step, at most ``capacity`` of them or the states
+    claimed in that step, whichever is more (least recently claimed evicted)."""
 
     def __init__(self, capacity: int = 256) -> None:
         if capacity < 1:
@@ -52,9 +56,13 @@ class RequestStates:
         self._states: OrderedDict[int, RequestState] = OrderedDict()  # id -> state, least recent first
         self._by_head: dict[tuple[int, ...], list[int]] = {}
         self._head_lengths: dict[int, int] = {}  # head length -> states with a head that long
+        self._claimed: set[int] = set()  # the states the last step claimed
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._states.values()))
 
     def claim(self, tokens: np.ndarray, taken: set[int]) -> tuple[RequestState, bool]:
         """The state ``tokens`` continue (not one in ``taken``, already claimed by another row this
@@ -76,9 +84,19 @@ class RequestStates:
         self._by_head.setdefault(state.head, []).append(key)
         self._head_lengths[len(state.head)] = self._head_lengths.get(len(state.head), 0) + 1
         taken.add(key)
-        while len(self._states) > self.capacity:
-            self._evict()
         return state, True
+
+    def end_step(self, taken: set[int]) -> list[RequestState]:
+        """The step whose rows claimed ``taken`` is over: evict least recently claimed states beyond
+        the capacity, never one in ``taken``. Returns the states kept that the step before claimed
+        and this one did not (their requests ended, were preempted or wait for a prefill), for the
+        proposer to release what they hold that costs memory."""
+        # the states claimed in this step sit last (claim moves them there): eviction stops at them
+        while len(self._states) > self.capacity and next(iter(self._states)) not in taken:
+            self._evict()
+        idle = [self._states[key] for key in self._claimed - taken if key in self._states]
+        self._claimed = set(taken)
+        return idle
 
     def _evict(self) -> None:
         key, state = self._states.popitem(last=False)
