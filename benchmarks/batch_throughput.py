@@ -237,6 +237,10 @@ def child(spec, pool: list[list[int]], job: dict) -> int:
         "catch_up_seconds": max(s.time_draft_catch_up for s in stats),
         "verify_seconds": max(s.time_verify for s in stats), "mean_tree": sum(sum(s.draft_sizes) for s in stats)
         / max(1, sum(len(s.draft_sizes) for s in stats)), "accepted_by": accepted_by,
+        # the drafted rounds as the controller predicted them against what they gave and cost (each
+        # row's share of a step), summed over the rows
+        "predicted": [sum(s.predicted_tokens for s in stats), sum(s.predicted_time for s in stats)],
+        "drafted": [sum(s.drafted_round_tokens for s in stats), sum(s.drafted_round_time for s in stats)],
     }))  # fmt: skip
     return 0
 
@@ -249,6 +253,7 @@ def fresh_main(args, argv: list[str] | None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     pool_size = len(args.ids.split(",")) if args.ids else None
     totals: dict[tuple[int, str], list[float]] = {}  # (B, method) -> [tokens, seconds, identical, rows]
+    trace: list[str] = []  # one line per batch run: what its rows drafted, predicted and cost
     offset = 0
     for batch in batches:
         for group in range(args.groups):
@@ -273,12 +278,14 @@ def fresh_main(args, argv: list[str] | None) -> int:
                 t[2] += same
                 t[3] += batch
                 rate = sum(len(o) for o in outputs) / result["seconds"]
-                print(f"B={batch} group {group} {method}: {rate:.1f} tok/s, {same}/{batch} as {methods[0]}, "
+                (p_tokens, p_seconds), (d_tokens, d_seconds) = result["predicted"], result["drafted"]
+                trace.append(f"B={batch} group {group} {method}: {rate:.1f} tok/s, {same}/{batch} as {methods[0]}, "
                       f"rounds drafted/plain {result['rounds_drafted']}/{result['rounds_plain']}, "
                       f"draft {result['draft_seconds']:.1f} s (catch-up {result['catch_up_seconds']:.1f}), "
                       f"verify {result['verify_seconds']:.1f} s, tree {result['mean_tree']:.1f}, "
-                      f"accepted by {result['accepted_by']}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                      f"drafted rounds predicted {p_tokens:.0f} tokens in {p_seconds:.1f} s, "
+                      f"gave {d_tokens:.0f} in {d_seconds:.1f} s, accepted by {result['accepted_by']}")  # fmt: skip
+                print(trace[-1], file=sys.stderr, flush=True)
         offset += args.groups * batch
     mach = machine_info()
     lines = [
@@ -286,8 +293,8 @@ def fresh_main(args, argv: list[str] | None) -> int:
         "",
         f"- command: `{shlex.join(['python', 'benchmarks/batch_throughput.py', *given])}`",
         f"- date: {now_iso()}",
-        f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
-        f"transformers {mach.get('transformers')}",
+        f"- machine: {mach.get('cpu')} (flags {mach.get('cpu_flags')}), {torch.get_num_threads()} threads; "
+        f"torch {mach.get('torch')}, transformers {mach.get('transformers')}; commit {git_commit()}",
         f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f", dtype {args.dtype}; "
         f"{args.groups} batch(es) per B; greedy, up to {args.max_new_tokens} new tokens, stopping at EOS",
         f"- tokens/s is the aggregate over the batch's rows; identical: rows equal to batched `{methods[0]}`'s",
@@ -300,7 +307,19 @@ def fresh_main(args, argv: list[str] | None) -> int:
         for m in methods:
             tok, sec, same, rows = totals[(batch, m)]
             lines.append(f"| {batch} | `{m}` | {tok / sec:.1f} | {tok / sec / first:.2f}× | {int(same)}/{int(rows)} |")
+    lines += ["", "Each batch run (draft and verify seconds: the slowest row's):", "", "```", *trace, "```"]
     return emit(lines, args.out)
+
+
+def git_commit() -> str:
+    """This checkout's commit (with "+" where it has changes), or "unknown" outside git."""
+    root = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return (head.stdout.strip() or "unknown") + ("+" if dirty.stdout.strip() else "")
 
 
 if __name__ == "__main__":

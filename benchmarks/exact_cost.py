@@ -28,18 +28,8 @@ from pathlib import Path
 import speculum
 from speculum import engine
 from speculum.bench.datasets import load_datasets
-from speculum.bench.report import machine_info, now_iso
+from speculum.bench.report import cpu_flags, machine_info, now_iso
 from speculum.methods import SpeculativeConfig
-
-
-def cpu_flags() -> str:
-    """The CPU flags that decide bfloat16's speed and kernels (from /proc/cpuinfo, where there is one)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in flags.split(":")[1].split() if f in wanted)
 
 
 def decode(spec, prompts: list[list[int]], method: str, max_new_tokens: int) -> list[list[int]]:

@@ -48,9 +48,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+# the flags that decide bfloat16's speed and which kernels run (every figure names them)
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_flags() -> str:
+    """The CPU's flags among ``KERNEL_FLAGS`` (from /proc/cpuinfo; "unknown" where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    present = set(line.split(":", 1)[1].split())
+    return " ".join(flag for flag in KERNEL_FLAGS if flag in present)
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
