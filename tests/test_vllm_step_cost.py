@@ -17,6 +17,7 @@ import pytest
 from speculum.errors import InvalidInputError
 from speculum.integrations.vllm import Anpd, Auto, PromptLookup
 from speculum.integrations.vllm import proposers as proposers_module
+from test_vllm_proposers import vllm_config as proposers_vllm_config
 
 K = 4
 A, B = 0.010, 0.0002  # a step: 10 ms + 0.2 ms a verified token
@@ -27,14 +28,9 @@ NEW = 150  # tokens a request generates
 PHRASE = list(range(5, 17))
 
 
-def vllm_config(options=None, max_model_len=512):
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=K),
-        model_config=SimpleNamespace(
-            max_model_len=max_model_len, dtype=None, hf_config=SimpleNamespace(eos_token_id=None, vocab_size=None)
-        ),
-        additional_config={"speculum": options} if options is not None else {},
-    )
+def vllm_config(options=None):
+    """vLLM's config as the proposers read it, room for every request's tokens."""
+    return proposers_vllm_config(options=options, max_model_len=512)
 
 
 class Clock:
