@@ -4,13 +4,20 @@ trip, and every method still lossless on them."""
 import pytest
 import torch
 
-from speculum import accel, machine, row_padding
+from speculum import accel, kernels, machine, row_padding
 from speculum.runner import ModelRunner
 
 from helpers import build_drafter, generate_ids
 from tiny_models import VOCAB, perturbed_copy, repetitive_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not accel.supported(tiny_model("llama")), reason="oneDNN prepacking unavailable")
+
+
+@pytest.fixture(autouse=True)
+def _onednn(monkeypatch):
+    """These tests are about oneDNN's prepacked layers: bfloat16 too (speculum's row kernel, which
+    takes bfloat16 layers where the CPU has AVX-512 BF16 but no AMX, has its own: test_bf16_rows.py)."""
+    monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")
 
 
 @pytest.fixture(autouse=True)

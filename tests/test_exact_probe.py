@@ -81,7 +81,7 @@ def packed(min_rows: int = 1, dense_rows: int = 0) -> accel.PackedLinear:
     torch.nn.Module.__init__(layer)
     layer.in_features = layer.out_features = FEATURES
     layer.packed_weight = torch.randn(FEATURES, FEATURES)
-    layer.bias = None
+    layer.bias, layer.rows = None, None  # the oneDNN path (rows: speculum's row kernel, unused here)
     layer.min_rows, layer.dense_rows = min_rows, dense_rows
     layer.dense_weight = layer.packed_weight.clone() if dense_rows else None
     return layer

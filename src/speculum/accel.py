@@ -10,7 +10,9 @@ without it: docs/results.md).
 bfloat16 layers are prepacked too where the CPU computes bfloat16 natively (AVX-512-BF16, AMX).
 PyTorch's stock bfloat16 linear already runs oneDNN's kernels there, but reorders the weight on
 every call; prepacked, the same kernels run without the reorder, with logits bit-identical to the
-stock layers'. Where bfloat16 is emulated it is left as it is.
+stock layers'. Where bfloat16 is emulated it is left as it is. On CPUs with AVX-512 BF16 but no AMX, bfloat16
+layers run on speculum's own row kernel instead (:mod:`speculum.kernels`): it streams a one-token
+step's weights faster than oneDNN there and rounds every row alike whatever the row count.
 
 Forwards over fewer than 4 rows can be padded to 4 (``PackedLinear.min_rows``, decided by
 measuring the loaded model: :func:`speculum.row_padding.choose_row_padding`): on some CPUs oneDNN's
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from speculum import machine
+from speculum import kernels, machine
 
 logger = logging.getLogger("speculum")
 
@@ -50,8 +52,14 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
+        # bfloat16 on speculum's row kernel where it is the faster one (speculum.kernels), else oneDNN's
+        self.rows = kernels.rows_kernel() if linear.weight.dtype == torch.bfloat16 else None
+        if self.rows is not None:
+            self.packed_weight = kernels.pack_rows(linear.weight)
+            self.bias32 = kernels.pack_bias(linear.bias)
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.min_rows = 1  # inputs of fewer rows are padded to this many (see choose_row_padding)
         # inputs of at most this many rows run on the stock kernel, over a dense copy of the weight
         # (see choose_row_padding: on some CPUs MKL's one-row kernel beats oneDNN's packed one)
@@ -67,7 +75,20 @@ class PackedLinear(nn.Module):
             linear.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         return cls(linear)
 
+    @property
+    def kernel(self) -> str:
+        """Which kernel the layer runs on: "rows" (speculum's, row-count invariant) or "onednn"."""
+        return "rows" if self.rows is not None else "onednn"
+
+    def dense(self) -> torch.Tensor:
+        """The weight as an [out, in] matrix (a copy)."""
+        if self.rows is not None:
+            return kernels.unpack_rows(self.packed_weight, self.out_features, self.in_features)
+        return self.packed_weight.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:  # no padding or dense copy: every row count runs alike on it
+            return kernels.rows_linear(self.rows, x, self.packed_weight, self.bias32, self.out_features)
         rows = x.numel() // self.in_features
         if 0 < rows <= self.dense_rows and self.dense_weight is not None:
             return torch.nn.functional.linear(x, self.dense_weight, self.bias)
@@ -80,13 +101,14 @@ class PackedLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        dense = self.dense_weight if self.dense_weight is not None else self.packed_weight.to_dense()
+        dense = self.dense_weight if self.dense_weight is not None else self.dense()
         linear.weight = nn.Parameter(dense, requires_grad=False)
         linear.bias = self.bias
         return linear
 
     def extra_repr(self) -> str:
-        padded = f", min_rows={self.min_rows}" if self.min_rows > 1 else ""
+        padded = ", kernel=rows" if self.rows is not None else ""
+        padded += f", min_rows={self.min_rows}" if self.min_rows > 1 else ""
         padded += f", dense_rows={self.dense_rows}" if self.dense_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{padded}"
 
@@ -183,7 +205,7 @@ def output_size(model: nn.Module) -> int:
 def set_min_rows(model: nn.Module, rows: int) -> int:
     """Pad every packed layer's inputs of fewer than ``rows`` rows to ``rows`` (1: no padding); returns
     how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.rows is None]
     for layer in layers:
         layer.min_rows = rows
     return len(layers)
@@ -197,11 +219,11 @@ def min_rows(model: nn.Module) -> int:
 def set_dense_rows(model: nn.Module, rows: int) -> int:
     """Run every packed layer's inputs of at most ``rows`` rows on the stock kernel (0: never), keeping
     a dense copy of each weight for it (made here, dropped again with ``rows=0``); returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.rows is None]
     with torch.no_grad():
         for layer in layers:
             if rows and layer.dense_weight is None:
-                layer.dense_weight = layer.packed_weight.to_dense()
+                layer.dense_weight = layer.dense()
             elif not rows:
                 layer.dense_weight = None
             layer.dense_rows = rows

@@ -296,9 +296,10 @@ def _exact_padded(model) -> tuple:
 
 def machine_key(runner, *, padding: bool = True) -> str:
     """What a measured curve depends on: the model's shape and dtype, its attention implementation,
-    whether its LM head runs lazily, whether it is prepacked (and its small forwards padded or on the
-    stock kernel, unless ``padding=False``: the key of that decision itself), the linear layers exact
-    mode pads, the device, threads, the CPU (:func:`speculum.machine.cpu_identity`) and library versions."""
+    whether its LM head runs lazily, whether it is prepacked (on speculum's row kernel or oneDNN, its
+    small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
+    itself), the linear layers exact mode pads, the device, threads, the CPU
+    (:func:`speculum.machine.cpu_identity`) and library versions."""
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     shape = {
@@ -321,6 +322,7 @@ def machine_key(runner, *, padding: bool = True) -> str:
         f"packed={packed}"
         + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")
         + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else "")
+        + (",kernel=rows" if any(getattr(m, "kernel", "") == "rows" for m in model.modules()) else "")
         + (f",exact_padded={exact_padded}" if (exact_padded := _exact_padded(model)) else ""),
         str(device),
         f"threads={torch.get_num_threads()}",

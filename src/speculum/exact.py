@@ -150,7 +150,7 @@ def _verdict_key(linear: nn.Module) -> tuple:
     outputs = getattr(linear, "out_features", None) or (weight.shape[-1] if weight is not None else None)
     bias = getattr(linear, "bias", None) is not None
     dense_rows = getattr(linear, "dense_rows", 0) if getattr(linear, "dense_weight", None) is not None else 0
-    small_forwards = (getattr(linear, "min_rows", 1), dense_rows)
+    small_forwards = (getattr(linear, "min_rows", 1), dense_rows, getattr(linear, "kernel", ""))
     return type(linear), _in_features(linear), outputs, _weight_dtype(linear), bias, small_forwards
 
 
@@ -201,6 +201,8 @@ def make_linears_exact(module: nn.Module) -> tuple[tuple[tuple[str, int, int], .
         if min_rows > 1:
             kind = name.rsplit(".", 1)[-1] or name or type(linear).__name__
             padded[(kind, min_rows)] = padded.get((kind, min_rows), 0) + 1
+        if min_rows == 1 and getattr(linear, "kernel", "") == "rows":
+            continue  # speculum's row kernel: invariant at every row count by construction, no pieces
         linear.forward = _split_rows(linear.forward, _in_features(linear), min_rows)
     guaranteed = all(v is not None for v in verdicts.values())
     return tuple((kind, rows, count) for (kind, rows), count in sorted(padded.items())), guaranteed

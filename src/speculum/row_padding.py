@@ -123,8 +123,11 @@ def choose_row_padding(runner, *, reps: int = 4, budget_s: float = 4.0) -> RowPa
     speculative round; the stock and the packed kernel can differ in the last bits of float32, as
     any two kernels do."""
     model = runner.model
-    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not packed:
         return RowPadding(1, "the model is not prepacked")
+    if all(m.rows is not None for m in packed):
+        return RowPadding(1, "speculum's row kernel runs every row count alike")
     setting = _pad_setting()
     if setting in ("off", "on", "dense"):
         _set_small_forwards(model, {"on": "padded", "dense": "dense"}.get(setting, ""))

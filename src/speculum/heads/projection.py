@@ -69,5 +69,5 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None and hasattr(head, "packed_weight"):  # speculum.accel.PackedLinear
-        weight = head.packed_weight.to_dense()
+        weight = head.dense()
     return weight

@@ -103,6 +103,8 @@ def _first_tensor(value):
 def _linear_kernel(module: nn.Module, rows: int) -> str:
     """Which kernel a linear layer's call ran on."""
     if isinstance(module, PackedLinear):
+        if module.rows is not None:
+            return "speculum's row kernel"
         if 0 < rows <= module.dense_rows and module.dense_weight is not None:
             return "stock kernel"
         if 0 < rows < module.min_rows:
