@@ -16,6 +16,10 @@ one token. What the hooks do not cover is reported too: the model outside its pa
 masks, the embedding) and the engine between forwards (argmax, the loop, Python). The hooks add a
 few microseconds a module: the tokens/s without them, in the same run, is beside the table.
 Prefill: the runner's own prefill of L tokens of HumanEval text into an empty cache (best of 2).
+
+``--kernel-rows 1,2,4,8,16,64,256`` adds the bfloat16 linear kernels side by side at those row counts:
+speculum's row kernel against oneDNN's prepacked one, on random weights of each linear kind's shape (as
+many copies as the model has layers, so they stream from memory), interleaved, best of 5.
 """
 
 from __future__ import annotations
@@ -66,6 +70,54 @@ def memory_read_rates(threads: int, gib: float = 1.0, reps: int = 5) -> tuple[fl
         return size / fastest
 
     return best(buf.sum), best(lambda: torch.nn.functional.linear(row, matrix))
+
+
+def kernel_rates(shapes: dict[str, tuple[int, int, int]], rows_list: list[int]) -> list[str]:
+    """Markdown rows: per linear kind and row count, GB/s of speculum's row kernel and of oneDNN's packed
+    one (``shapes``: kind -> (in, out, copies)), timed interleaved, best of 5."""
+    from speculum import kernels
+
+    module = kernels.load(kernels.native_isa() or "portable")
+    lines = [
+        "| linear kind | rows | row kernel, GB/s | oneDNN, GB/s | oneDNN time / row kernel's |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for kind, (inputs, outputs, copies) in shapes.items():
+        weights = [torch.randn(outputs, inputs).mul(0.02).to(torch.bfloat16) for _ in range(copies)]
+        ours = [kernels.pack_rows(w) for w in weights]
+        theirs = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        del weights
+        for rows in rows_list:
+            x = torch.randn(rows, inputs).to(torch.bfloat16)
+            runs = {
+                "rows": lambda x=x, ws=ours, n=outputs: [kernels.rows_linear(module, x, w, None, n) for w in ws],
+                "onednn": lambda x=x, ws=theirs: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in ws
+                ],
+            }
+            best = {name: float("inf") for name in runs}
+            for _ in range(6):  # the first round warms up, then the best of 5
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    best[name] = min(best[name], time.perf_counter() - start)
+            size = copies * inputs * outputs * 2
+            lines.append(
+                f"| {kind} | {rows} | {size / best['rows'] / 1e9:.1f} | {size / best['onednn'] / 1e9:.1f} "
+                f"| {best['onednn'] / best['rows']:.2f} |"
+            )
+    return lines
+
+
+def layer_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Each linear kind's (in, out) of its first layer, and how many layers of that kind the model has."""
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in LINEAR_KINDS and hasattr(module, "in_features"):
+            inputs, outputs, count = shapes.get(last, (module.in_features, module.out_features, 0))
+            shapes[last] = (inputs, outputs, count + 1)
+    return shapes
 
 
 def weight_bytes(linear: torch.nn.Module) -> int:
@@ -205,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prefill", default="100,400,1500", help="prompt lengths for prefill's tokens/s")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel-rows", default="", help="row counts for the bfloat16 kernels side by side, e.g. 1,4,16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -212,18 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     read_rates = memory_read_rates(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
-    found = {}
+    found, shapes = {}, {}
     for mode in modes:
         spec = speculum.load(args.model, dtype=args.dtype, exact=mode == "on")
+        shapes = shapes or layer_shapes(spec.model)
         ids = prompts(spec, args.prompts)
         found[mode] = breakdown(spec, ids, args.max_new_tokens)
         found[mode]["prefill"] = prefill_rates(spec, lengths)
         print(f"exact {mode}: {found[mode]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
         del spec
-    return report(args, argv, read_rates, modes, lengths, found)
+    kernel_rows = [int(x) for x in args.kernel_rows.split(",") if x.strip()]
+    kernel_lines = kernel_rates(shapes, kernel_rows) if kernel_rows else []
+    return report(args, argv, read_rates, modes, lengths, found, kernel_lines)
 
 
-def report(args, argv, read_rates: tuple[float, float], modes: list[str], lengths: list[int], found: dict) -> int:
+def report(
+    args, argv, read_rates: tuple[float, float], modes: list[str], lengths: list[int], found: dict, kernels: list[str]
+) -> int:
     mach = machine_info()
     first = found[modes[0]]
     weights = sum(first["bytes"].values())
@@ -269,6 +327,9 @@ def report(args, argv, read_rates: tuple[float, float], modes: list[str], length
     for length in lengths:
         rates = " | ".join(f"{found[m]['prefill'][length]:.0f}" for m in modes)
         lines.append(f"| prefill tokens/s, {length} tokens | {rates} |")
+    if kernels:
+        lines += ["", "bfloat16 linear kernels side by side (random weights of each kind's shape, from memory):", ""]
+        lines += kernels
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import transformers
 
-from speculum import accel, machine
+from speculum import accel, kernels, machine
 from speculum import cache as cache_ops
 from speculum import exact as exact_mode
 from speculum.runner import ModelRunner
@@ -71,7 +71,8 @@ CacheKey = tuple[str, dict[str, Any]]  # the digest naming the cache file, and w
 
 def cache_key(config: Any, prepack: bool, exact: bool = False) -> CacheKey:
     """What the timings of the model of ``config`` depend on: the CPU, the libraries, the threads,
-    prepacking, exact mode for bfloat16 and the model's shapes (raises for a config without them)."""
+    prepacking and the bfloat16 kernel (:mod:`speculum.kernels`), exact mode for bfloat16 and the
+    model's shapes (raises for a config without them)."""
     text = _text_config(config)
     inputs = {
         "version": _CACHE_VERSION,
@@ -81,6 +82,7 @@ def cache_key(config: Any, prepack: bool, exact: bool = False) -> CacheKey:
         "mkldnn": torch.backends.mkldnn.is_available(),
         "threads": torch.get_num_threads(),
         "prepack": bool(prepack),
+        "bf16_kernel": "rows" if kernels.rows_kernel_wanted() else "onednn",
         "exact": bool(exact),
         "model": {name: getattr(text, name, None) for name in _SHAPE_FIELDS},
     }
