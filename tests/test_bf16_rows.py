@@ -135,7 +135,8 @@ def test_methods_equal_plain_decoding_on_the_row_kernel_in_exact_mode(rows_kerne
     accel.prepack(model)
     accel.prepack(draft)
     choice = exact.make_exact(model)
-    assert choice.guaranteed and not choice.padded
+    assert choice.guaranteed and not choice.padded and choice.row_kernel
+    assert "row kernel" in choice.describe()
     prompt = repetitive_prompt(30, 7, 1)
     plain = generate_ids(model, prompt, build_drafter("autoregressive", draft, VOCAB), 40)[0]
     for method in ["prompt_lookup", "anpd", "draft_model", "lookahead"]:

@@ -54,18 +54,23 @@ class ExactChoice:
     ``rows``: linear layers take at most this many rows a call (None: off). ``padded``: (layer kind,
     rows, how many layers) for the layers whose smaller calls are padded to that many rows.
     ``guaranteed``: every linear layer measured row-count invariant in the way chosen (False: this
-    CPU's kernels round a row by its neighbours, so texts can still part at near-ties)."""
+    CPU's kernels round a row by its neighbours, so texts can still part at near-ties).
+    ``row_kernel``: every linear layer runs on speculum's row kernel, whole calls (no pieces needed)."""
 
     enabled: bool
     reason: str
     rows: int | None = None
     padded: tuple[tuple[str, int, int], ...] = ()
     guaranteed: bool = True
+    row_kernel: bool = False
 
     def describe(self) -> str:
         if not self.enabled:
             return f"exact: off ({self.reason})"
-        linears = f"linear layers in calls of at most {self.rows} rows"
+        if self.row_kernel:
+            linears = "linear layers on speculum's row kernel (the same bits at any row count)"
+        else:
+            linears = f"linear layers in calls of at most {self.rows} rows"
         if self.padded:
             linears += "; " + ", ".join(f"{count} {kind} padded to {rows} rows" for kind, rows, count in self.padded)
         warning = "" if self.guaranteed else "; NOT guaranteed: this CPU's linear kernels round rows by row count"
@@ -179,7 +184,9 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
         return existing
     model.set_attn_implementation(EXACT_ATTENTION)
     padded, guaranteed = make_linears_exact(model)
-    choice = ExactChoice(True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed)
+    kernels = [getattr(linear, "kernel", "") for _, linear in _linear_modules(model)]
+    row_kernel = bool(kernels) and all(kernel == "rows" for kernel in kernels)
+    choice = ExactChoice(True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed, row_kernel=row_kernel)
     if not guaranteed:
         logger.warning("speculum: %s", choice.describe())
     model._speculum_exact = choice
