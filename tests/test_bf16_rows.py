@@ -2,6 +2,8 @@
 count, slot or thread count, and lossless decoding on it. The portable build runs on every CPU; the
 AVX-512 BF16 build where the CPU has it."""
 
+import os
+
 import pytest
 import torch
 
@@ -141,3 +143,15 @@ def test_methods_equal_plain_decoding_on_the_row_kernel_in_exact_mode(rows_kerne
     plain = generate_ids(model, prompt, build_drafter("autoregressive", draft, VOCAB), 40)[0]
     for method in ["prompt_lookup", "anpd", "draft_model", "lookahead"]:
         assert generate_ids(model, prompt, build_drafter(method, draft, VOCAB), 40)[0] == plain, method
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's lock file behind, on which every later build would wait."""
+    monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path))
+    lock = kernels.build_dir("speculum_test") / "lock"
+    lock.write_text("")
+    assert kernels.build_dir("speculum_test") == lock.parent and lock.exists()  # a build may be running
+    old = lock.stat().st_mtime - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernels.build_dir("speculum_test")
+    assert not lock.exists()

@@ -9,13 +9,14 @@ On AMX CPUs oneDNN's tile kernels are left in charge (they multiply many rows fa
 ``SPECULUM_BF16_KERNEL=rows|onednn`` overrides the choice.
 
 Built once per machine kind (the instruction set is in the extension's name, so a cache shared
-between CPUs never loads a build the CPU cannot run), in ``$TORCH_EXTENSIONS_DIR`` (torch's default:
-``~/.cache/torch_extensions``); about a minute on two cores. A CPU without AVX-512 BF16 builds the
+between CPUs never loads a build the CPU cannot run), in ``~/.cache/speculum/kernels/`` (per torch
+version); about 25 s on two cores. A CPU without AVX-512 BF16 builds the
 same sums in portable C++ (``isa="portable"``), which the tests run everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -26,8 +27,11 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from speculum import machine
+
 logger = logging.getLogger("speculum")
 
+STALE_LOCK_S = 600  # a build lock this old is a killed build's (a build takes under a minute)
 KERNEL_ENV = "SPECULUM_BF16_KERNEL"  # "rows", "onednn" or "auto" (rows where AVX-512 BF16 and no AMX)
 COLUMNS = 64  # output columns per tile: packed widths are padded to a multiple of it
 _SOURCE = Path(__file__).with_name("bf16_rows.cpp")
@@ -54,6 +58,20 @@ def native_isa() -> str | None:
     return "avx512bf16" if "avx512_bf16" in _cpu_flags() else None
 
 
+def build_dir(name: str) -> Path:
+    """Where extension ``name`` is built and cached (speculum's cache, per torch version). A build
+    lock older than ``STALE_LOCK_S`` is removed: it is left by a build that was killed, and torch
+    would wait on it forever."""
+    path = machine.cache_dir() / "kernels" / f"{name}-torch{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("speculum: removing a stale build lock left by an interrupted build: %s", lock)
+            lock.unlink()
+    return path
+
+
 @functools.cache
 def load(isa: str = "avx512bf16") -> ModuleType:
     """The compiled bfloat16 row kernel for ``isa`` ("avx512bf16" or "portable"), built on first use."""
@@ -61,10 +79,15 @@ def load(isa: str = "avx512bf16") -> ModuleType:
 
     name = f"speculum_bf16_rows_{isa}"
     started = time.perf_counter()
-    logger.info("speculum: loading the bfloat16 row kernel (%s; built once, about a minute)", name)
+    logger.info("speculum: loading the bfloat16 row kernel (%s; built once, under a minute)", name)
     try:
         module = cpp_extension.load(
-            name, [str(_SOURCE)], extra_cflags=_FLAGS[isa], extra_ldflags=["-fopenmp"], verbose=False
+            name,
+            [str(_SOURCE)],
+            extra_cflags=_FLAGS[isa],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir(name)),
+            verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, or a failed build
         raise KernelUnavailable(f"the bfloat16 row kernel could not be built: {error}") from error
