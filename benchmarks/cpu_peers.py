@@ -154,7 +154,9 @@ def export_ir(model_dir: str, openvino_python: str, weight_format: str) -> str:
         print(f"exporting {model_dir} to OpenVINO IR ({weight_format}) in {out} ...", file=sys.stderr, flush=True)
         cli = str(Path(openvino_python).parent / "optimum-cli")
         command = [cli, "export", "openvino", "--model", model_dir, "--task", "text-generation-with-past"]
-        subprocess.run([*command, "--weight-format", weight_format, str(out)], check=True)
+        done = subprocess.run([*command, "--weight-format", weight_format, str(out)])
+        if done.returncode:
+            raise SystemExit(f"optimum-intel could not export {model_dir} (its message is above); no OpenVINO run")
     return str(out)
 
 
