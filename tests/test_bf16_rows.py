@@ -86,17 +86,17 @@ def test_the_native_and_portable_builds_agree():
 
 
 def test_the_choice_follows_the_setting_and_the_cpu(monkeypatch):
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
     assert kernels.rows_kernel_wanted()
     monkeypatch.setenv(kernels.KERNEL_ENV, "onednn")
     assert not kernels.rows_kernel_wanted()
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512_bf16", "amx_bf16", "amx_tile"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16", "amx_tile"})
     monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
     assert not kernels.rows_kernel_wanted()  # AMX: oneDNN's tile kernels
     monkeypatch.setenv(kernels.KERNEL_ENV, "rows")
     assert kernels.rows_kernel_wanted()
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "fma"})
     assert not kernels.rows_kernel_wanted()  # no AVX-512 BF16: nothing to run it on
 
 

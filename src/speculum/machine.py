@@ -42,6 +42,7 @@ stays cheap to import where only the cache directory or the load is needed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -124,16 +125,23 @@ def cpu_identity() -> dict[str, Any]:
     }
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The x86 CPU's feature flags (``/proc/cpuinfo``), empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bfloat16 matrix instructions (AVX-512 BF16 or AMX)."""
+    if flags := cpu_flags():
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
     import torch  # lazily: see the module docstring
 
     try:  # no /proc (macOS, Windows): fall back on the capability PyTorch dispatches to

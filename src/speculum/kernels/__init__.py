@@ -45,17 +45,9 @@ class KernelUnavailable(RuntimeError):
     """The compiled kernel cannot be built or loaded here (no compiler, a failed build)."""
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def native_isa() -> str | None:
     """The instruction set the fast build needs, if this CPU has it ("avx512bf16"), else None."""
-    return "avx512bf16" if "avx512_bf16" in _cpu_flags() else None
+    return "avx512bf16" if "avx512_bf16" in machine.cpu_flags() else None
 
 
 def build_dir(name: str) -> Path:
@@ -101,7 +93,7 @@ def rows_kernel_wanted() -> bool:
     setting = os.environ.get(KERNEL_ENV, "auto").strip().lower()
     if setting == "onednn" or native_isa() is None:
         return False
-    return setting == "rows" or "amx_bf16" not in _cpu_flags()
+    return setting == "rows" or "amx_bf16" not in machine.cpu_flags()
 
 
 def rows_kernel() -> ModuleType | None:
