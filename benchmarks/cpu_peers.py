@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_side_by_side import _commit, _prompt_ids  # noqa: E402
+from vllm_side_by_side import Engine, _commit, _prompt_ids  # noqa: E402
 
 ENGINES = {
     "openvino plain": ("openvino", "plain"),
@@ -65,35 +65,13 @@ def _serve(generate) -> None:
         print("RESULT " + json.dumps({"output": output, "seconds": seconds, "ttft": first_token_s}), flush=True)
 
 
-class Worker:
-    """A worker process, answering one request at a time."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env={**os.environ, **(env or {})},
-        )
-        self._wait("READY")
-
-    def _wait(self, tag: str) -> str:
-        for line in self.process.stdout:
-            if line.startswith(tag):
-                return line[len(tag) :].strip()
-        raise RuntimeError(f"{self.name} stopped (exit code {self.process.wait()})")
+class Worker(Engine):
+    """A worker process answering one request at a time (the protocol of ``_serve``)."""
 
     def run(self, ids: list[int], max_tokens: int, spec: str) -> dict:
         self.process.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens, "spec": spec}) + "\n")
         self.process.stdin.flush()
         return json.loads(self._wait("RESULT "))
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=120)
 
 
 def openvino_worker(args) -> None:

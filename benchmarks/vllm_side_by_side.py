@@ -169,9 +169,12 @@ def speculum_worker(args) -> None:
 
 
 class Engine:
-    def __init__(self, name: str, command: list[str]) -> None:
+    def __init__(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        environment = {**os.environ, **(env or {})}
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=environment
+        )
         self._wait("READY")
 
     def _wait(self, tag: str) -> str:
