@@ -64,27 +64,32 @@ def build_dir(name: str) -> Path:
     return path
 
 
-@functools.cache
-def load(isa: str = "avx512bf16") -> ModuleType:
-    """The compiled bfloat16 row kernel for ``isa`` ("avx512bf16" or "portable"), built on first use."""
+def build(name: str, source: Path, cflags: list[str], what: str) -> ModuleType:
+    """Extension ``name`` compiled from ``source`` (built on first use, then loaded from the cache);
+    :class:`KernelUnavailable` where it cannot be built."""
     from torch.utils import cpp_extension
 
-    name = f"speculum_bf16_rows_{isa}"
     started = time.perf_counter()
-    logger.info("speculum: loading the bfloat16 row kernel (%s; built once, under a minute)", name)
+    logger.info("speculum: loading the %s (%s; built once, under a minute)", what, name)
     try:
         module = cpp_extension.load(
             name,
-            [str(_SOURCE)],
-            extra_cflags=_FLAGS[isa],
+            [str(source)],
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir(name)),
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, or a failed build
-        raise KernelUnavailable(f"the bfloat16 row kernel could not be built: {error}") from error
-    logger.info("speculum: bfloat16 row kernel ready in %.1f s", time.perf_counter() - started)
+        raise KernelUnavailable(f"the {what} could not be built: {error}") from error
+    logger.info("speculum: %s ready in %.1f s", what, time.perf_counter() - started)
     return module
+
+
+@functools.cache
+def load(isa: str = "avx512bf16") -> ModuleType:
+    """The compiled bfloat16 row kernel for ``isa`` ("avx512bf16" or "portable"), built on first use."""
+    return build(f"speculum_bf16_rows_{isa}", _SOURCE, _FLAGS[isa], "bfloat16 row kernel")
 
 
 def rows_kernel_wanted() -> bool:
