@@ -196,7 +196,8 @@ def unpacked(*models: nn.Module | None) -> Iterator[None]:
 def output_size(model: nn.Module) -> int:
     """Rows of the LM head (the logits' width), packed or not."""
     head = model.get_output_embeddings()
-    return head.out_features if isinstance(head, PackedLinear) else head.weight.shape[0]
+    outputs = getattr(head, "out_features", None)  # nn.Linear, PackedLinear, QuantizedLinear
+    return outputs if outputs is not None else head.weight.shape[0]
 
 
 # ------------------------------------------------------------------------------- row padding

@@ -65,7 +65,7 @@ class Speculum:
         self.runner = ModelRunner(model)
         # set by load(): the dtype and why, whether small forwards are padded (speculum.accel), and
         # whether the target runs in exact mode (speculum.exact)
-        self.dtype_choice = self.row_padding = self.draft_row_padding = self.exact = None
+        self.dtype_choice = self.row_padding = self.draft_row_padding = self.exact = self.quantization = None
         self._drafters: dict[tuple, list] = {}  # configuration -> its drafters (one per row of a batch)
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
@@ -452,6 +452,7 @@ def load(
     prepack: bool | str = "auto",
     config: str | SpeculativeConfig | None = None,
     exact: bool | str = "auto",
+    quantization: str = "none",
 ) -> Speculum:
     """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
 
@@ -474,6 +475,9 @@ def load(
     seeded sampled text do not depend on what was drafted or on the other rows of a batch: attention per query,
     linear layers measured for row-count invariance (``spec.exact``, a ``speculum.exact.ExactChoice``, says what
     was done; see docs/exactness.md).
+    ``quantization`` ("none" or "gguf", vLLM's name): "gguf" computes the linear layers of a GGUF model
+    (and its draft's) on the file's own quantized blocks, on speculum's quantized CPU kernel; the
+    rest of the model runs in ``dtype``. ``spec.quantization`` says what was quantized (None: nothing).
     """
     if config is not None:
         config = SpeculativeConfig.coerce(config)
@@ -482,6 +486,7 @@ def load(
     exact_mode.wants_exact(exact, torch.float32)  # a bad value fails before the model loads
     if prepack not in (True, False, "auto"):
         raise InvalidInputError(f"prepack must be True, False or 'auto', got {prepack!r}")
+    models.check_quantization(quantization, device)
     name = model or models.DEFAULT_MODEL
     target, tokenizer, dtype_choice = models.load_with_dtype_choice(
         name,
@@ -492,6 +497,7 @@ def load(
         offload_folder=offload_folder,
         prepack=bool(prepack),
         exact=exact,
+        quantization=quantization,
     )
     if prepack:
         accel.prepack(target)  # before building a self-draft, which then shares the packed layers
@@ -505,12 +511,15 @@ def load(
             # "auto" on a CPU: the draft takes the dtype measured for the target (the pair shares one dtype)
             same_cpu = dtype_choice.requested == "auto" and str(device) == str(draft_device) == "cpu"
             draft_dtype = dtype_choice.dtype if same_cpu else dtype
-            draft_model, draft_tokenizer = models.load_model(draft, dtype=draft_dtype, device=draft_device)
+            draft_model, draft_tokenizer, _ = models.load_with_dtype_choice(
+                draft, dtype=draft_dtype, device=draft_device, quantization=quantization
+            )
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
             if prepack:
                 accel.prepack(draft_model)
     spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
     spec.dtype_choice = dtype_choice  # the target's dtype and why (dtype="auto" measures on a CPU)
+    spec.quantization = target.speculum_quantization  # what quantization="gguf" swapped (None: nothing)
     if prepack:  # small forwards padded where a kernel for more rows is faster (measured once, cached)
         spec.row_padding = row_padding.choose_row_padding(spec.runner)
         if draft_model is not None and self_layers is None:  # a self-draft shares the target's layers

@@ -294,11 +294,16 @@ def _exact_padded(model) -> tuple:
     return getattr(getattr(model, "_speculum_exact", None), "padded", ())
 
 
+def _gguf_formats(model) -> list[str]:
+    """The GGUF block types a model computes on as they are (quantization="gguf"), sorted."""
+    return sorted({m.format for m in model.modules() if hasattr(m, "packed") and hasattr(m, "format")})
+
+
 def machine_key(runner, *, padding: bool = True) -> str:
     """What a measured curve depends on: the model's shape and dtype, its attention implementation,
     whether its LM head runs lazily, whether it is prepacked (on speculum's row kernel or oneDNN, its
     small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
-    itself), the linear layers exact mode pads, the device, threads, the CPU
+    itself), the linear layers exact mode pads, the GGUF block types computed as they are, the device, threads, the CPU
     (:func:`speculum.machine.cpu_identity`) and library versions."""
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -323,7 +328,8 @@ def machine_key(runner, *, padding: bool = True) -> str:
         + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")
         + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else "")
         + (",kernel=rows" if any(getattr(m, "kernel", "") == "rows" for m in model.modules()) else "")
-        + (f",exact_padded={exact_padded}" if (exact_padded := _exact_padded(model)) else ""),
+        + (f",exact_padded={exact_padded}" if (exact_padded := _exact_padded(model)) else "")
+        + (f",gguf={quantized}" if (quantized := _gguf_formats(model)) else ""),
         str(device),
         f"threads={torch.get_num_threads()}",
         accelerator,

@@ -72,6 +72,7 @@ def load_models(
     gguf_file: str | None,
     prepack: bool,
     exact: str = "auto",
+    quantization: str = "none",
 ):
     """``speculum.load`` as ``generate`` and ``serve`` call it, under the loading spinner."""
     if exact not in ("auto", "on", "off"):
@@ -87,6 +88,7 @@ def load_models(
             gguf_file=gguf_file,
             prepack="auto" if prepack else False,
             exact={"on": True, "off": False}.get(exact, exact),
+            quantization=quantization,
         )
 
 
@@ -99,6 +101,10 @@ DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16, float16
 ExactOption = Annotated[
     str,
     typer.Option(help="auto, on or off: output independent of drafts and batch rows (auto: on in half precision)."),
+]
+QuantizationOption = Annotated[
+    str,
+    typer.Option(help="none or gguf: compute a GGUF model's linear layers on the file's own quantized weights (CPU)."),
 ]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
 DraftDeviceOption = Annotated[str | None, typer.Option(help="Put the draft model on another device.")]

@@ -19,6 +19,7 @@ from speculum.cli.common import (
     GgufFileOption,
     ModelOption,
     PrepackOption,
+    QuantizationOption,
     err,
     fail,
     load_models,
@@ -77,6 +78,7 @@ def generate(
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
     exact: ExactOption = "auto",
+    quantization: QuantizationOption = "none",
 ) -> None:
     """Generate text with a speculative method; the output equals plain decoding."""
     from speculum.sampling import SamplingParams
@@ -105,6 +107,7 @@ def generate(
             gguf_file=gguf_file,
             prepack=prepack,
             exact=exact,
+            quantization=quantization,
         )
         text_or_messages = [{"role": "user", "content": prompt}] if chat else prompt
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -126,11 +129,27 @@ def generate(
     elif stats:
         # the curve the controller judged by, where one ran (reading spec.cost_model would measure one)
         cost_model = getattr(spec, "_cost_model", None)
-        print_stats(result, spec_config, spec.dtype_choice, spec.row_padding, spec.device_type, cost_model, spec.exact)
+        print_stats(
+            result,
+            spec_config,
+            spec.dtype_choice,
+            spec.row_padding,
+            spec.device_type,
+            cost_model,
+            spec.exact,
+            spec.quantization,
+        )
 
 
 def print_stats(
-    result, config, dtype_choice=None, row_padding=None, device_type=None, cost_model=None, exact=None
+    result,
+    config,
+    dtype_choice=None,
+    row_padding=None,
+    device_type=None,
+    cost_model=None,
+    exact=None,
+    quantization=None,
 ) -> None:
     """The run's statistics as a table on stderr, then what the machine-dependent choices were and why."""
     err.print(_stats_table(result.stats, config))
@@ -141,6 +160,8 @@ def print_stats(
         err.print(f"defaults: measured for {where} (preset=paper: the published ones)", markup=False)
     if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
+    if quantization is not None:  # which layers run on the GGUF's own blocks, and which stayed de-quantized
+        err.print(f"quantization: {quantization.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
         err.print(f"linear layers: {row_padding.describe()}", soft_wrap=True, markup=False, highlight=False)
     if exact is not None:  # whether the output is independent of drafts and batch neighbours, and how

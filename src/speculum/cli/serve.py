@@ -16,6 +16,7 @@ from speculum.cli.common import (
     GgufFileOption,
     ModelOption,
     PrepackOption,
+    QuantizationOption,
     err,
     fail,
     load_models,
@@ -75,6 +76,7 @@ def serve(
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
     exact: ExactOption = "auto",
+    quantization: QuantizationOption = "none",
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a
@@ -102,6 +104,7 @@ def serve(
             gguf_file=gguf_file,
             prepack=prepack,
             exact=exact,
+            quantization=quantization,
         )
         spec.default_config = spec_config
         settings = ServerSettings(

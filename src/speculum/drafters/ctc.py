@@ -31,6 +31,7 @@ import torch
 from speculum.drafters.base import Draft, DraftContext, HeadDrafter, Resources, check_options, check_tree_size
 from speculum.errors import InvalidInputError
 from speculum.heads import shared_draft_head
+from speculum.models.compat import device_of
 
 DEFAULT_TREE_NODES = 16
 
@@ -167,7 +168,7 @@ class CTCDrafter(HeadDrafter):
         if memory is None:
             return None
         device = self.module.fuse.weight.device
-        root = torch.tensor([ctx.tokens[-1]], device=self.embeddings.weight.device)
+        root = torch.tensor([ctx.tokens[-1]], device=device_of(self.embeddings))
         logits = self.module(memory[None].to(device), self.embed(root), embed=self.embed)[0]  # [slots, vocab + 1]
         logprobs = logits.float().log_softmax(dim=-1)
         blank = self.module.blank_index
@@ -197,7 +198,7 @@ class CTCDrafter(HeadDrafter):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings of ``tokens``, on the module's device."""
-        return self.embeddings(tokens.to(self.embeddings.weight.device)).to(self.module.fuse.weight.device)
+        return self.embeddings(tokens.to(device_of(self.embeddings))).to(self.module.fuse.weight.device)
 
     def prefix_draft(self, logprobs: torch.Tensor, top: torch.Tensor, ctx: DraftContext) -> Draft:
         """The tree of the likeliest output prefixes (:func:`prefix_search`), extended with every

@@ -46,9 +46,14 @@ def model_fingerprint(model: nn.Module) -> str:
     for name in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
         h.update(f"{name}={getattr(config, name, None)}\n".encode())
     # weights that prepacking (speculum.accel) leaves alone: embedding rows and the final norm
-    embeddings = model.get_input_embeddings().weight
-    step = max(1, embeddings.shape[0] // 8)
-    samples = [embeddings[::step][:8, :64]]
+    embeddings = model.get_input_embeddings()
+    count = embeddings.num_embeddings
+    rows = torch.arange(0, count, max(1, count // 8))[:8]
+    # a quantized embedding (quantization="gguf") gives the same rows as the de-quantized one's weight
+    table = (
+        embeddings.rows(rows) if hasattr(embeddings, "rows") else embeddings.weight[rows.to(embeddings.weight.device)]
+    )
+    samples = [table[:, :64]]
     norm = getattr(getattr(model, "model", model), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         samples.append(norm.weight.reshape(-1)[:256])

@@ -68,6 +68,6 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The target's LM-head matrix ``[vocab, H]`` (also when prepacked for oneDNN)."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
-    if weight is None and hasattr(head, "packed_weight"):  # speculum.accel.PackedLinear
+    if weight is None and hasattr(head, "dense"):  # speculum.accel.PackedLinear, a QuantizedLinear
         weight = head.dense()
     return weight

@@ -8,6 +8,14 @@ from typing import Any
 from speculum.errors import IncompatibleDraftError
 
 
+def device_of(module: Any) -> Any:
+    """Where a module's tensors live: its first parameter's device, else its first buffer's (a
+    quantized embedding holds only buffers)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return None
+
+
 def vocab_fingerprint(tokenizer: Any) -> str:
     """SHA-256 over the tokenizer's sorted (token, id) pairs: equal iff the vocabularies are equal."""
     vocab = tokenizer.get_vocab()

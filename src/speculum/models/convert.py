@@ -21,6 +21,7 @@ import torch
 
 from speculum.errors import ModelLoadError, SpeculumError
 from speculum.machine import cache_dir
+from speculum.models import gguf_weights
 from speculum.models.registry import PackagedModel, _chunk_paths
 
 logger = logging.getLogger(__name__)
@@ -103,11 +104,14 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def ensure_converted(gguf_path: str | os.PathLike, *, sha256: str | None = None, source: str | None = None) -> Path:
+def ensure_converted(
+    gguf_path: str | os.PathLike, *, sha256: str | None = None, source: str | None = None, blocks: bool = False
+) -> Path:
     """The cached HF checkpoint converted from ``gguf_path``, converting it once if needed.
 
     Keyed by the file's SHA-256 (computed when not given). Written to a temporary directory and then
-    renamed into place, so a crash never leaves a half-written checkpoint behind.
+    renamed into place, so a crash never leaves a half-written checkpoint behind. ``blocks``: the
+    file's quantized blocks are wanted beside it too (``quantization="gguf"``), extracted once.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -119,6 +123,8 @@ def ensure_converted(gguf_path: str | os.PathLike, *, sha256: str | None = None,
             raise ModelLoadError(f"cannot read {gguf_path}: {e}") from e
     target = _converted_dir(sha256)
     if _is_converted(target):
+        if blocks and not gguf_weights.has_blocks(target):
+            _extract_blocks(gguf_path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -155,7 +161,21 @@ def ensure_converted(gguf_path: str | os.PathLike, *, sha256: str | None = None,
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    if blocks and not gguf_weights.has_blocks(target):
+        _extract_blocks(gguf_path, target)
     return target
+
+
+def _extract_blocks(gguf_path: Path, target: Path) -> None:
+    logger.warning(
+        "speculum: keeping the quantized blocks of %s beside its checkpoint (once, under a minute)", gguf_path
+    )
+    try:
+        gguf_weights.extract_blocks(gguf_path, target)
+    except SpeculumError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the quantized blocks of {gguf_path} ({type(e).__name__}: {e})") from e
 
 
 def _chmod_like_umask(directory: Path) -> None:
@@ -170,15 +190,15 @@ def _chmod_like_umask(directory: Path) -> None:
         pass
 
 
-def _ensure_packaged(entry: PackagedModel) -> Path:
+def _ensure_packaged(entry: PackagedModel, blocks: bool = False) -> Path:
     target = _converted_dir(entry.sha256)
-    if _is_converted(target):
+    if _is_converted(target) and (not blocks or gguf_weights.has_blocks(target)):
         return target
     work = cache_dir() / "gguf"
     work.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.alias}.tmp-", dir=work))
     try:
         gguf_path = _assemble(entry, tmp)
-        return ensure_converted(gguf_path, sha256=entry.sha256, source=entry.alias)
+        return ensure_converted(gguf_path, sha256=entry.sha256, source=entry.alias, blocks=blocks)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the assembled .gguf is not needed once converted

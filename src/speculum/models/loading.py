@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -13,9 +14,12 @@ import torch
 
 from speculum.errors import InvalidInputError, ModelLoadError, SpeculumError
 from speculum.exact import wants_exact
+from speculum.models import gguf_weights
 from speculum.models.convert import _converted_dir, _ensure_packaged, _is_converted, ensure_converted
 from speculum.models.dtypes import DtypeChoice, _check_device, choose_dtype, resolve_dtype
 from speculum.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, _is_installed
+
+logger = logging.getLogger("speculum")
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
@@ -49,26 +53,27 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
-def _resolve_source(name_or_path: str, gguf_file: str | None) -> tuple[str, dict[str, Any]]:
-    """Where to read from: (path or hub id, extra from_pretrained kwargs)."""
+def _resolve_source(name_or_path: str, gguf_file: str | None, blocks: bool = False) -> tuple[str, dict[str, Any]]:
+    """Where to read from: (path or hub id, extra from_pretrained kwargs). ``blocks``: a GGUF file's
+    quantized blocks are wanted beside its converted checkpoint (``quantization="gguf"``)."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise InvalidInputError(f"model must be a non-empty string, got {name_or_path!r}")
     name = os.fspath(name_or_path).strip()
     if name in PACKAGED_MODELS and gguf_file is None:
-        return str(_ensure_packaged(PACKAGED_MODELS[name])), {}
+        return str(_ensure_packaged(PACKAGED_MODELS[name], blocks=blocks)), {}
     path = Path(name).expanduser()
     if gguf_file is not None:
         gpath = Path(gguf_file).expanduser()
         if not gpath.is_absolute() and path.is_dir():
             gpath = path / gguf_file
         if gpath.is_file():
-            return str(ensure_converted(gpath)), {}
+            return str(ensure_converted(gpath, blocks=blocks)), {}
         if path.exists() or _looks_like_path(name) or gpath.is_absolute():
             raise ModelLoadError(f"GGUF file not found: {gpath}")
         return name, {"gguf_file": gguf_file}  # a hub repo holding GGUF files
     if path.is_file():
         if name.lower().endswith(".gguf") or _has_gguf_magic(path):
-            return str(ensure_converted(path)), {}
+            return str(ensure_converted(path, blocks=blocks)), {}
         raise ModelLoadError(f"{name} is a file but not a GGUF file; pass a model directory, a .gguf file or a hub id")
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -163,6 +168,7 @@ def load_with_dtype_choice(
     offload_folder: str | os.PathLike | None = None,
     prepack: bool = True,
     exact: bool | str = False,
+    quantization: str = "none",
 ) -> tuple[Any, Any, DtypeChoice]:
     """:func:`load_model`, also returning the dtype chosen and why. On a CPU, ``dtype="auto"`` times
     float32 (prepacked when ``prepack``, as ``speculum.load`` does) against bfloat16 on the model's
@@ -184,7 +190,13 @@ def load_with_dtype_choice(
     elif device != "cpu":
         kwargs["device_map"] = device
     resolve_dtype(dtype, device)  # a bad dtype is refused before anything is read or converted
-    source, extra = _resolve_source(name_or_path, gguf_file)
+    quantized = check_quantization(quantization, device)
+    source, extra = _resolve_source(name_or_path, gguf_file, blocks=quantized)
+    if quantized and not (Path(source) / gguf_weights.BLOCKS_FILE).is_file():
+        raise InvalidInputError(
+            f"quantization='gguf' needs a GGUF file or a packaged alias; {name_or_path!r} is not one "
+            "(use quantization='none')"
+        )
     choice = choose_dtype(
         dtype,
         device,
@@ -203,7 +215,25 @@ def load_with_dtype_choice(
         raise ModelLoadError(f"cannot load model {name_or_path!r} from {source}: {type(e).__name__}: {e}") from e
     model.eval()
     model.requires_grad_(False)
+    model.speculum_quantization = None
+    if quantized:
+        try:
+            model.speculum_quantization = gguf_weights.quantize_model(model, Path(source))
+        except gguf_weights.KernelUnavailable as error:
+            logger.warning("speculum: %s; the model stays de-quantized", error)
     return model, _fix_tokenizer(tokenizer), choice
+
+
+QUANTIZATIONS = ("none", "gguf")
+
+
+def check_quantization(quantization: str, device: str = "cpu") -> bool:
+    """Whether ``quantization`` asks for the GGUF's own blocks; a bad value or device is refused."""
+    if quantization not in QUANTIZATIONS:
+        raise InvalidInputError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "gguf" and str(device) != "cpu":
+        raise InvalidInputError("quantization='gguf' runs on the CPU only (its kernel is a CPU kernel)")
+    return quantization == "gguf"
 
 
 def _check_device_map(device_map: str | dict) -> str | dict:

@@ -36,6 +36,7 @@ from speculum.drafters.ctc import ctc_collapse
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import CTCDraftModule, MedusaHeads, load_draft_head, save_draft_head
 from speculum.heads.projection import lm_head_weight
+from speculum.models.compat import device_of
 from speculum.poolfile import write_atomic
 from speculum.training.common import split_by_text, torch_bytes
 from speculum.training.distill_data import DATA_FILE, DistillSettings, append_data, load_or_make_data
@@ -214,7 +215,7 @@ def module_logits(module, batch: dict[str, torch.Tensor], embeddings, every_pass
 
     @torch.no_grad()
     def embed(tokens: torch.Tensor) -> torch.Tensor:  # the frozen target's input embeddings
-        return embeddings(tokens.to(embeddings.weight.device)).float().to(device)
+        return embeddings(tokens.to(device_of(embeddings))).float().to(device)
 
     # [B, slots, vocab + 1]
     return module(batch["memory"], embed(batch["root"]), batch["padding"], embed=embed, every_pass=every_pass)

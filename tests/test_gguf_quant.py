@@ -1,0 +1,213 @@
+"""quantization="gguf": a GGUF model's linear layers on the file's own blocks, and lossless decoding
+on them: every method's greedy text equals plain decoding of the same quantized model, batched rows
+equal their prompt alone, sampling follows the quantized model; bad values are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from speculum import models
+from speculum.errors import InvalidInputError
+from speculum.kernels import quant
+from speculum.kernels.gguf_blocks import decode
+from speculum.models import gguf_weights
+from speculum.sampling import SamplingParams
+from test_quant_kernel import NATIVE, _module, random_blocks
+
+from helpers import build_drafter, fit_pvalue, generate_ids
+from tiny_models import perturbed_copy, repetitive_prompt, tiny_model
+
+gguf = pytest.importorskip("gguf")
+
+
+# ------------------------------------------------------------------------------- a quantized tiny model
+
+
+def quantize_linears(model: nn.Module, kinds=("Q8_0", "Q4_0", "Q5_1"), isa: str | None = None) -> nn.Module:
+    """``model`` with each linear layer's weight quantized by gguf-py (types in turn) and computed on
+    the quantized kernel, as ``quantization="gguf"`` computes a GGUF's; the embedding stays as it is."""
+    module = _module(isa or NATIVE)
+    swaps = []
+    for i, (name, layer) in enumerate((n, m) for n, m in model.named_modules() if type(m) is nn.Linear):
+        kind = kinds[i % len(kinds)]
+        values = layer.weight.detach().float().numpy()
+        raw = gguf.quants.quantize(values, getattr(gguf.GGMLQuantizationType, kind))
+        packed = quant.pack(decode(raw, kind, values.shape))
+        swaps.append((name, gguf_weights.QuantizedLinear(packed, layer.bias, module)))
+    for name, new in swaps:
+        model.set_submodule(name, new)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "mistral"])
+@pytest.mark.parametrize("method", ["prompt_lookup", "anpd", "lookahead", "draft_model", "auto"])
+def test_every_method_equals_plain_decoding_of_the_quantized_model(arch, method):
+    target = quantize_linears(tiny_model(arch))
+    draft = quantize_linears(perturbed_copy(tiny_model(arch), scale=0.2), kinds=("Q4_1",))
+    prompt = repetitive_prompt(24)
+    plain, _ = generate_ids(target, prompt, build_drafter("autoregressive", target=target), max_new_tokens=40)
+    params = {"num_speculative_tokens": 4} if method != "lookahead" else {}
+    drafter = build_drafter(method, draft_model=draft if method in ("draft_model", "auto") else None, target=target,
+                            **params)  # fmt: skip
+    ids, stats = generate_ids(target, prompt, drafter, max_new_tokens=40)
+    assert ids == plain
+    assert stats.drafted_tokens > 0
+
+
+def test_sampling_follows_the_quantized_model():
+    """Draft-model speculative sampling on a quantized target: chi-square against the target's own
+    (warped) distribution of two tokens, computed with the quantized layers."""
+    from speculum import engine
+    from speculum.runner import ModelRunner
+    from speculum.sampling import warp
+    from speculum.stats import Stats
+
+    model = quantize_linears(tiny_model("llama", vocab_size=16))
+    draft = quantize_linears(perturbed_copy(tiny_model("llama", vocab_size=16), scale=0.3), kinds=("Q4_0",))
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    with torch.no_grad():
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], sampling)[0]
+        exact = {}
+        for a in torch.nonzero(p1 > 0).flatten().tolist():
+            p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], sampling)[0]
+            for b in torch.nonzero(p2 > 0).flatten().tolist():
+                exact[(a, b)] = p1[a].item() * p2[b].item()
+    drafter = build_drafter("draft_model", draft, 16, target=model, num_speculative_tokens=3)
+    gen = torch.Generator().manual_seed(5)
+    counts = dict.fromkeys(exact, 0)
+    trials = 1500
+    for _ in range(trials):
+        steps = engine.run(ModelRunner(model), prompt, drafter, sampling, 2, frozenset(), gen, Stats(), None)
+        counts[tuple(t for step in steps for t in step)] += 1
+    assert fit_pvalue(counts, exact, trials) > 1e-3
+
+
+# ------------------------------------------------------------------------------- a GGUF file
+
+
+def write_quantized_gguf(path, kinds: dict[str, str], hidden=256, inter=512, layers=2, heads=4, kv=2, seed=0):
+    """A tiny Llama GGUF whose matrices have the GGUF types ``kinds`` gives by tensor role (random
+    valid blocks), with a llama-style tokenizer transformers can load."""
+    words = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e", "l", "o", "▁"]
+    tokens = ["<unk>", "<s>", "</s>", *words]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-quantized-llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([2, 3, 3] + [1] * len(words))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    counter = iter(range(1000))
+
+    def matrix(name, role, rows, cols):
+        kind = kinds[role]
+        raw = random_blocks(kind, rows, cols, seed=seed * 1000 + next(counter), size=0.3)
+        writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+
+    head_dim = hidden // heads
+    matrix("token_embd.weight", "embedding", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    matrix("output.weight", "head", len(tokens), hidden)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.attn_q.weight", "attention", heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_k.weight", "attention", kv * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", "values", kv * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", "attention", hidden, heads * head_dim)
+        matrix(f"blk.{i}.ffn_gate.weight", "mlp", inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", "mlp", inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", "down", hidden, inter)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+K_QUANT_KINDS = {"embedding": "Q4_K", "head": "Q6_K", "attention": "Q4_K", "values": "Q6_K", "mlp": "Q5_K",
+                 "down": "Q6_K"}  # fmt: skip
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULUM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models.loading, "_hub_reachable", lambda timeout=3.0: False)
+
+
+@pytest.fixture
+def quantized_gguf(tmp_path_factory):
+    return write_quantized_gguf(tmp_path_factory.mktemp("gguf") / "tiny-k.gguf", K_QUANT_KINDS)
+
+
+def test_gguf_layers_keep_the_files_blocks_and_stay_exact(isolated_cache, quantized_gguf):
+    import speculum
+
+    spec = speculum.load(str(quantized_gguf), dtype="float32", quantization="gguf", exact=False)
+    report = spec.quantization
+    assert report.layers == {"Q4_K": 6, "Q5_K": 4, "Q6_K": 5} and report.embedding == "Q4_K"
+    assert not report.dequantized
+    plain = speculum.load(str(quantized_gguf), dtype="float32", exact=False)  # the same file, de-quantized
+    assert plain.quantization is None
+    ids = torch.tensor([[1, 5, 6, 7, 3, 4, 9, 10, 11, 12]])
+    with torch.no_grad():
+        quantized, dense = spec.model(ids).logits, plain.model(ids).logits
+    # the same model up to 8-bit activations: transformers' reordering of q and k rows was followed
+    assert ((quantized - dense).norm() / dense.norm()).item() < 0.03
+    assert spec.model.get_input_embeddings()(ids).equal(plain.model.get_input_embeddings()(ids))
+    prompt = "hello world foo bar hello world foo bar hello world"
+    reference = spec.generate(prompt, "autoregressive", max_new_tokens=24).token_ids
+    for method in ("prompt_lookup", "anpd", "auto"):
+        assert spec.generate(prompt, method, max_new_tokens=24).token_ids == reference, method
+    batch = spec.generate([prompt, "the a the a hello", prompt[:20]], "prompt_lookup", max_new_tokens=16)
+    for text, result in zip([prompt, "the a the a hello", prompt[:20]], batch, strict=True):
+        assert result.token_ids == spec.generate(text, "autoregressive", max_new_tokens=16).token_ids
+
+
+def test_bfloat16_exact_mode_on_gguf_layers(isolated_cache, quantized_gguf):
+    import speculum
+
+    spec = speculum.load(str(quantized_gguf), dtype="bfloat16", quantization="gguf", exact=True)
+    assert "row kernel" in spec.exact.describe() or spec.exact.guaranteed
+    prompt = "hello world foo bar hello world foo bar"
+    reference = spec.generate(prompt, "autoregressive", max_new_tokens=20).token_ids
+    assert spec.generate(prompt, "prompt_lookup", max_new_tokens=20).token_ids == reference
+
+
+def test_bad_quantization_is_refused(isolated_cache, tmp_path):
+    import speculum
+
+    with pytest.raises(InvalidInputError, match="quantization must be one of"):
+        speculum.load("anything", quantization="int4")
+    with pytest.raises(InvalidInputError, match="CPU only"):
+        speculum.load("anything", quantization="gguf", device="cuda")
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(InvalidInputError, match="needs a GGUF file"):
+        models.load_with_dtype_choice(str(tmp_path / "plain"), dtype="float32", quantization="gguf")
+
+
+def test_cli_refuses_a_bad_quantization(isolated_cache):
+    from typer.testing import CliRunner
+
+    from speculum.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "hi", "--quantization", "int3"])
+    assert result.exit_code == 2
+    assert "quantization must be one of" in result.output
