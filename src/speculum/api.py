@@ -439,6 +439,20 @@ class IncrementalText:
         return full[len(shown) :] if full.startswith(shown) else ""
 
 
+def _load_draft(draft: str, dtype, device: str, quantization: str):
+    """The draft model: on its GGUF file's own blocks too where the target is and the draft is a GGUF
+    (a draft that is not one stays as it is)."""
+    try:
+        model, tokenizer, _ = models.load_with_dtype_choice(
+            draft, dtype=dtype, device=device, quantization=quantization
+        )
+    except InvalidInputError as error:
+        if quantization == "none" or "needs a GGUF file" not in str(error):
+            raise
+        model, tokenizer, _ = models.load_with_dtype_choice(draft, dtype=dtype, device=device)
+    return model, tokenizer
+
+
 def load(
     model: str | None = None,
     draft: str | None = None,
@@ -511,9 +525,7 @@ def load(
             # "auto" on a CPU: the draft takes the dtype measured for the target (the pair shares one dtype)
             same_cpu = dtype_choice.requested == "auto" and str(device) == str(draft_device) == "cpu"
             draft_dtype = dtype_choice.dtype if same_cpu else dtype
-            draft_model, draft_tokenizer, _ = models.load_with_dtype_choice(
-                draft, dtype=draft_dtype, device=draft_device, quantization=quantization
-            )
+            draft_model, draft_tokenizer = _load_draft(draft, draft_dtype, draft_device, quantization)
             models.check_draft_compatible(target, tokenizer, draft_model, draft_tokenizer)
             if prepack:
                 accel.prepack(draft_model)

@@ -112,11 +112,14 @@ def pack(weight: BlockWeight) -> Packed:
     )
 
 
-def linear(module: ModuleType, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` on the compiled kernel, in ``x``'s dtype (float32 inside)."""
+def linear(
+    module: ModuleType, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, width: int = 0
+) -> torch.Tensor:
+    """``x @ W.T + bias`` on the compiled kernel, in ``x``'s dtype (float32 inside). ``width``: column
+    blocks per register tile (0: the kernel's choice by row count; any width gives the same bits)."""
     flat = x.reshape(-1, packed.in_features).float().contiguous()
     p = packed
-    out = module.linear(flat, p.format.name, p.codes, p.high, p.a, p.b, p.A, p.B, p.format.offset)
+    out = module.linear(flat, p.format.name, p.codes, p.high, p.a, p.b, p.A, p.B, p.format.offset, width)
     out = out[:, : p.out_features]
     if bias is not None:
         out = out + bias.float()

@@ -124,6 +124,14 @@ inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t
   for (int r = 0; r < R; ++r)
     for (int l = 0; l < NL; ++l) y[r][l] = _mm512_loadu_ps(out + (r0 + r) * ld + (nb0 + l) * 16);
   for (int64_t u = u0; u < u1; ++u) {
+    for (int l = 0; l < NL; ++l) {  // the scales' streams too: the hardware prefetcher tracks few
+      if (F::HAS_A) _mm_prefetch((const char*)(L.a + ((nb0 + l) * nG + (u + 4) * H) * 16), _MM_HINT_T0);
+      if (F::HAS_B) _mm_prefetch((const char*)(L.b + ((nb0 + l) * nG + (u + 4) * H) * 16), _MM_HINT_T0);
+      if ((u * kUnit) % F::S == 0) {
+        _mm_prefetch((const char*)(L.A + ((nb0 + l) * nS + u * kUnit / F::S + 2) * 16), _MM_HINT_T0);
+        if (F::TWO) _mm_prefetch((const char*)(L.B + ((nb0 + l) * nS + u * kUnit / F::S + 2) * 16), _MM_HINT_T0);
+      }
+    }
     __m512i d[R][NL];
     for (int h = 0; h < H; ++h) {
       const int64_t g = u * H + h;
@@ -268,7 +276,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int G, int32_t offset, 
 }
 
 template <class F>
-torch::Tensor run(const Layer& L, const torch::Tensor& x) {
+torch::Tensor run(const Layer& L, const torch::Tensor& x, int64_t width) {
   const int64_t M = x.size(0), K = L.K, ld = L.NB * 16;
   auto out = torch::zeros({M, ld}, x.options().dtype(torch::kFloat));
   if (M == 0) return out;
@@ -279,8 +287,8 @@ torch::Tensor run(const Layer& L, const torch::Tensor& x) {
                 dx.data_ptr<float>(), sums.data_ptr<int32_t>());
   const Rows X{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>()};
   float* y = out.data_ptr<float>();
-  // Few rows: several column blocks per tile, for independent chains; many rows: one, for registers.
-  const int64_t width = M == 1 ? 4 : M < 4 ? 2 : 1;
+  // Few rows: two column blocks per tile, for independent chains; many rows: one, for registers.
+  if (width <= 0) width = M < 4 ? 2 : 1;
   at::parallel_for(0, (L.NB + width - 1) / width, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t nb = c * width;
@@ -304,7 +312,7 @@ const void* data_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr
 
 // x: [M, K] float32. fmt: the GGUF type's name. Returns [M, NB*16] float32 (no bias).
 torch::Tensor linear(torch::Tensor x, std::string fmt, torch::Tensor codes, torch::Tensor high, torch::Tensor a,
-                     torch::Tensor b, torch::Tensor A, torch::Tensor B, int64_t offset) {
+                     torch::Tensor b, torch::Tensor A, torch::Tensor B, int64_t offset, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte, "codes: [NB, *, 64] uint8");
   TORCH_CHECK(A.dim() == 3 && A.size(0) == codes.size(0) && A.size(2) == 16, "A: [NB, K/S, 16] float32");
@@ -319,14 +327,14 @@ torch::Tensor linear(torch::Tensor x, std::string fmt, torch::Tensor codes, torc
                 int32_t(offset)};
   const int64_t per = fmt == "Q8_0" ? 4 : 8;
   TORCH_CHECK(codes.size(1) * per == L.K, "x's width differs from the packed weights'");
-  if (fmt == "Q4_0") return run<Q4_0>(L, x);
-  if (fmt == "Q4_1") return run<Q4_1>(L, x);
-  if (fmt == "Q5_0") return run<Q5_0>(L, x);
-  if (fmt == "Q5_1") return run<Q5_1>(L, x);
-  if (fmt == "Q8_0") return run<Q8_0>(L, x);
-  if (fmt == "Q4_K") return run<Q4_K>(L, x);
-  if (fmt == "Q5_K") return run<Q5_K>(L, x);
-  if (fmt == "Q6_K") return run<Q6_K>(L, x);
+  if (fmt == "Q4_0") return run<Q4_0>(L, x, width);
+  if (fmt == "Q4_1") return run<Q4_1>(L, x, width);
+  if (fmt == "Q5_0") return run<Q5_0>(L, x, width);
+  if (fmt == "Q5_1") return run<Q5_1>(L, x, width);
+  if (fmt == "Q8_0") return run<Q8_0>(L, x, width);
+  if (fmt == "Q4_K") return run<Q4_K>(L, x, width);
+  if (fmt == "Q5_K") return run<Q5_K>(L, x, width);
+  if (fmt == "Q6_K") return run<Q6_K>(L, x, width);
   TORCH_CHECK(false, "no kernel for GGUF type ", fmt);
 }
 

@@ -288,7 +288,19 @@ def quantize_model(model: nn.Module, converted: Path, isa: str | None = None) ->
     for name, new in swaps:
         model.set_submodule(name, new)
     report.dequantized = sorted(left)
+    _give_back_freed_memory()
     return report
+
+
+def _give_back_freed_memory() -> None:
+    """Return the de-quantized weights' freed memory to the system: glibc keeps freed heap pages
+    mapped, which would leave the process as big as the de-quantized model (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
 
 
 __all__ = [
