@@ -312,7 +312,7 @@ def _report(args, names, prompts, results) -> str:
         f"# speculum and the CPU peers on one CPU — {args.model}, {time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {_machine()}; {args.threads} threads; {_versions(args.openvino_python, args.llamacpp_python)}",
-        f"- speculum dtype {args.dtype}; OpenVINO IR {args.openvino_weights} weights (int4 engines: int4), inference "
+        f"- speculum dtype {args.dtype} (gguf engines: {args.gguf_dtype}); OpenVINO IR {args.openvino_weights} weights (int4 engines: int4), inference "
         f"precision {args.openvino_precision}; K = {args.k} (num_assistant_tokens, llama.cpp's num_pred_tokens), "
         f"max_ngram_size {args.max_ngram}; draft {args.draft}",
         f"- {len(order)} prompts ({', '.join(f'{s}: {len(p)}' for s, p in prompts.items())}), {args.max_new_tokens} "
@@ -388,7 +388,7 @@ def fidelity(args, names, prompts, model_dir, start_worker) -> str:
                 worker.close()
             label = {
                 "speculum": f"speculum {args.dtype}",
-                "speculum-gguf": f"speculum gguf ({args.dtype} elsewhere)",
+                "speculum-gguf": f"speculum gguf ({args.gguf_dtype} elsewhere)",
                 "speculum-onednn": f"speculum {args.dtype} on oneDNN",
                 "openvino": f"OpenVINO {args.openvino_weights}",
                 "openvino-int4": "OpenVINO int4",
@@ -416,6 +416,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", help="speculum's dtype")
+    parser.add_argument("--gguf-dtype", default="auto", help="speculum's dtype with quantization='gguf'")
     parser.add_argument("--openvino-weights", default="fp16", help="the IR's --weight-format (fp16, int8, int4)")
     parser.add_argument("--openvino-precision", default="bf16", help="INFERENCE_PRECISION_HINT, or 'default'")
     parser.add_argument("--k", type=int, default=5, help="OpenVINO's num_assistant_tokens")
@@ -466,8 +467,8 @@ def main() -> None:
         if kind == "llamacpp":
             command[0] = args.llamacpp_python
             command += ["--gguf", packaged_gguf(args.model), "--eos", ",".join(map(str, _eos_ids(model_dir)))]
-        if kind == "speculum-gguf":
-            command += ["--quantization", "gguf"]
+        if kind == "speculum-gguf":  # the rest of the model in --gguf-dtype (auto: float32 there)
+            command += ["--quantization", "gguf", "--dtype", args.gguf_dtype]
         if args.fidelity:
             command += ["--fidelity"]
         print(f"starting {name or kind}", file=sys.stderr, flush=True)
