@@ -312,8 +312,9 @@ def _report(args, names, prompts, results) -> str:
         f"# speculum and the CPU peers on one CPU — {args.model}, {time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {_machine()}; {args.threads} threads; {_versions(args.openvino_python, args.llamacpp_python)}",
-        f"- speculum dtype {args.dtype} (gguf engines: {args.gguf_dtype}); OpenVINO IR {args.openvino_weights} weights (int4 engines: int4), inference "
-        f"precision {args.openvino_precision}; K = {args.k} (num_assistant_tokens, llama.cpp's num_pred_tokens), "
+        f"- speculum dtype {args.dtype} (gguf engines: {args.gguf_dtype}); OpenVINO IR {args.openvino_weights} "
+        f"weights (int4 engines: int4), inference precision {args.openvino_precision}; "
+        f"K = {args.k} (num_assistant_tokens, llama.cpp's num_pred_tokens), "
         f"max_ngram_size {args.max_ngram}; draft {args.draft}",
         f"- {len(order)} prompts ({', '.join(f'{s}: {len(p)}' for s, p in prompts.items())}), {args.max_new_tokens} "
         f"new tokens at most, greedy, one request at a time, prefill included; commit {_commit()}",

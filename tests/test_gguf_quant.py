@@ -163,7 +163,7 @@ def test_gguf_layers_keep_the_files_blocks_and_stay_exact(isolated_cache, quanti
     report = spec.quantization
     assert report.layers == {"Q4_K": 6, "Q5_K": 4, "Q6_K": 5} and report.embedding == "Q4_K"
     assert not report.dequantized
-    plain = speculum.load(str(quantized_gguf), dtype="float32", exact=False)  # the same file, de-quantized
+    plain = speculum.load(str(quantized_gguf), dtype="float32", exact=False, quantization="none")  # de-quantized
     assert plain.quantization is None
     ids = torch.tensor([[1, 5, 6, 7, 3, 4, 9, 10, 11, 12]])
     with torch.no_grad():
@@ -211,3 +211,56 @@ def test_cli_refuses_a_bad_quantization(isolated_cache):
     result = CliRunner().invoke(app, ["generate", "hi", "--quantization", "int3"])
     assert result.exit_code == 2
     assert "quantization must be one of" in result.output
+
+
+def test_auto_quantization_measures_caches_and_says_why(isolated_cache, quantized_gguf, monkeypatch):
+    import speculum
+    from speculum.models import quant_choice
+
+    spec = speculum.load(str(quantized_gguf), quantization="auto", exact=False)
+    choice = spec.quantization_choice
+    assert set(choice.ms) == {"gguf", "none"} and all(set(ms) == {1, 5} for ms in choice.ms.values())
+    assert (spec.quantization is not None) == (choice.quantization == "gguf")
+    assert "measured now" in choice.describe()
+    if choice.quantization == "gguf":  # the rest of the model then runs in float32
+        assert spec.dtype_choice.dtype is torch.float32
+    again = speculum.load(str(quantized_gguf), quantization="auto", exact=False).quantization_choice
+    assert again.cached and again.quantization == choice.quantization and again.ms == choice.ms
+    # the verdict follows the timings: the faster candidate over one row and five
+    monkeypatch.setattr(quant_choice, "_measure", lambda *a: {"gguf": {1: 9.0, 5: 30.0}, "none": {1: 20.0, 5: 21.0}})
+    monkeypatch.setattr(quant_choice, "_cache_key", lambda *a: "forced")
+    converted = next((models.cache_dir() / "models").iterdir())
+    assert quant_choice.choose_quantization(converted, torch.float32, True).quantization == "none"
+
+
+def test_auto_quantization_stays_off_without_blocks_or_vnni(isolated_cache, quantized_gguf, tmp_path, monkeypatch):
+    import speculum
+    from speculum.models import quant_choice
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "plain")
+    spec = speculum.load(str(tmp_path / "plain"), quantization="auto", dtype="float32")
+    assert spec.quantization is None and "not a GGUF file" in spec.quantization_choice.describe()
+    monkeypatch.setattr(quant_choice.quant, "native_isa", lambda: "portable")
+    spec = speculum.load(str(quantized_gguf), quantization="auto", exact=False)
+    assert spec.quantization is None and "no AVX-512 VNNI" in spec.quantization_choice.reason
+
+
+def test_quantized_layers_turn_exact_mode_on(isolated_cache, quantized_gguf):
+    """8-bit activations turn a last-bit difference of float32 attention into a whole step of their
+    scale, so exact mode (attention per query) is on with quantized layers, float32 included: a
+    verification forward's logits are then plain decoding's, bit for bit."""
+    import speculum
+
+    spec = speculum.load(str(quantized_gguf), dtype="float32", quantization="gguf")
+    assert spec.exact.enabled and "quantized layers" in spec.exact.describe()
+    ids = torch.tensor([[1, 5, 6, 7, 3, 4, 9, 10, 11, 12, 5, 6]])
+    with torch.no_grad():
+        whole = spec.model(ids).logits[0]
+        out = spec.model(ids[:, :6], use_cache=True)
+        past, steps = out.past_key_values, [out.logits[0, -1]]
+        for t in range(6, 12):
+            out = spec.model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[0, -1])
+    assert torch.equal(torch.stack(steps), whole[5:])

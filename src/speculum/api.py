@@ -65,7 +65,8 @@ class Speculum:
         self.runner = ModelRunner(model)
         # set by load(): the dtype and why, whether small forwards are padded (speculum.accel), and
         # whether the target runs in exact mode (speculum.exact)
-        self.dtype_choice = self.row_padding = self.draft_row_padding = self.exact = self.quantization = None
+        self.dtype_choice = self.row_padding = self.draft_row_padding = self.exact = None
+        self.quantization = self.quantization_choice = None  # quantization="gguf": what was swapped, and why
         self._drafters: dict[tuple, list] = {}  # configuration -> its drafters (one per row of a batch)
         self._shared: dict = {}  # pools shared by all drafters (and requests) of this Speculum
         # True: each configuration keeps its own pools (benchmarks comparing configurations on the same
@@ -466,7 +467,7 @@ def load(
     prepack: bool | str = "auto",
     config: str | SpeculativeConfig | None = None,
     exact: bool | str = "auto",
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> Speculum:
     """Load a target model (packaged alias, hub id, local directory or .gguf) and an optional draft.
 
@@ -489,9 +490,11 @@ def load(
     seeded sampled text do not depend on what was drafted or on the other rows of a batch: attention per query,
     linear layers measured for row-count invariance (``spec.exact``, a ``speculum.exact.ExactChoice``, says what
     was done; see docs/exactness.md).
-    ``quantization`` ("none" or "gguf", vLLM's name): "gguf" computes the linear layers of a GGUF model
-    (and its draft's) on the file's own quantized blocks, on speculum's quantized CPU kernel; the
-    rest of the model runs in ``dtype``. ``spec.quantization`` says what was quantized (None: nothing).
+    ``quantization`` ("auto", "none" or "gguf", vLLM's name): "gguf" computes the linear layers of a GGUF
+    model (and its draft's) on the file's own quantized blocks, on speculum's quantized CPU kernel, the rest
+    of the model in ``dtype`` (auto: float32); "none" de-quantizes them; "auto" measures which of the two
+    decodes faster on this CPU (cached). ``spec.quantization`` says what was quantized (None: nothing),
+    ``spec.quantization_choice`` why "auto" chose.
     """
     if config is not None:
         config = SpeculativeConfig.coerce(config)
@@ -532,12 +535,13 @@ def load(
     spec = Speculum(target, tokenizer, draft_model, draft_tokenizer, name=name, draft_name=draft)
     spec.dtype_choice = dtype_choice  # the target's dtype and why (dtype="auto" measures on a CPU)
     spec.quantization = target.speculum_quantization  # what quantization="gguf" swapped (None: nothing)
+    spec.quantization_choice = target.speculum_quantization_choice  # why, where quantization="auto" chose
     if prepack:  # small forwards padded where a kernel for more rows is faster (measured once, cached)
         spec.row_padding = row_padding.choose_row_padding(spec.runner)
         if draft_model is not None and self_layers is None:  # a self-draft shares the target's layers
             spec.draft_row_padding = row_padding.choose_row_padding(ModelRunner(draft_model))
     # after row padding, which changes the kernels of small forwards that exact mode measures
-    exact_on, exact_reason = exact_mode.wants_exact(exact, dtype_choice.dtype)
+    exact_on, exact_reason = exact_mode.wants_exact(exact, dtype_choice.dtype, spec.quantization is not None)
     spec.exact = exact_mode.make_exact(target, exact_reason) if exact_on else ExactChoice(False, exact_reason)
     if config is not None:
         spec.default_config = config

@@ -244,12 +244,15 @@ def prefill_pieces(model: nn.Module, done: int, count: int) -> list[int]:
     return sizes
 
 
-def wants_exact(exact: bool | str, dtype: torch.dtype) -> tuple[bool, str]:
+def wants_exact(exact: bool | str, dtype: torch.dtype, quantized: bool = False) -> tuple[bool, str]:
     """Resolve ``exact`` (True, False or "auto": on in half precision, where plain decoding's and a
-    verification's roundings part) to (on, why)."""
+    verification's roundings part, and on quantized layers, whose 8-bit activations turn a last-bit
+    difference of float32 attention into a step of the activations' scale) to (on, why)."""
     if exact not in (True, False, "auto"):
         raise InvalidInputError(f"exact must be True, False or 'auto', got {exact!r}")
     if exact == "auto":
+        if quantized:
+            return True, "auto: quantized layers"
         half = dtype in (torch.bfloat16, torch.float16)
         return half, f"auto: {'half precision' if half else str(dtype).removeprefix('torch.') + ' needs none'}"
     return bool(exact), "asked" if exact else "not asked"

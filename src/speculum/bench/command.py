@@ -80,6 +80,9 @@ def bench(
         str | None, typer.Option(help='Draft model (alias/id/path) or "self:N" (the target\'s first N layers).')
     ] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    quantization: Annotated[
+        str, typer.Option(help="auto, none or gguf: a GGUF model's linear layers on the file's own quantized weights.")
+    ] = "auto",
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1, ... (default: the library's choice).")] = None,
     dataset: Annotated[
         list[str] | None,
@@ -163,7 +166,7 @@ def bench(
     meta = {"command": command, "date": now_iso(), "model": model, "draft": draft, "dtype_requested": dtype}
     if earlier is not None:
         meta["resumed"] = {"date": earlier.get("date"), "machine": earlier.get("machine"), "records": len(previous)}
-    spec = _load_model(model, draft, dtype, device, prepack, meta)
+    spec = _load_model(model, draft, dtype, device, prepack, meta, quantization)
 
     records_file = None
     on_prompt = None
@@ -229,10 +232,13 @@ def _checked_methods(methods: str) -> list[MethodSpec]:
     return mspecs
 
 
-def _load_model(model: str, draft: str | None, dtype: str, device: str | None, prepack: bool, meta: dict) -> Speculum:
-    """The loaded model; ``meta`` gets what loading decided (dtype, row padding, prepacking) and the machine."""
+def _load_model(
+    model: str, draft: str | None, dtype: str, device: str | None, prepack: bool, meta: dict, quantization: str = "auto"
+) -> Speculum:
+    """The loaded model; ``meta`` gets what loading decided (dtype, quantization, row padding, prepacking)
+    and the machine."""
     try:
-        kwargs = {"draft": draft, "dtype": dtype, "prepack": "auto" if prepack else False}
+        kwargs = {"draft": draft, "dtype": dtype, "prepack": "auto" if prepack else False, "quantization": quantization}
         if device is not None:
             kwargs["device"] = device
         spec = load(model, **kwargs)
@@ -245,6 +251,9 @@ def _load_model(model: str, draft: str | None, dtype: str, device: str | None, p
     for name in ("row_padding", "draft_row_padding"):  # small forwards padded to 4 rows (speculum.accel)
         if (padding := getattr(spec, name, None)) is not None:
             meta[name] = {"rows": padding.rows, "dense_rows": padding.dense_rows, "reason": padding.describe()}
+    if spec.quantization_choice is not None:  # what quantization="auto" chose, and the timings
+        meta["quantization_choice"] = spec.quantization_choice.describe()
+    meta["quantization"] = spec.quantization.describe() if spec.quantization is not None else "none"
     meta["prepacked"] = is_packed(spec.model)
     meta["device"] = str(getattr(spec.model, "device", device or "?"))
     meta["machine"] = machine_info()

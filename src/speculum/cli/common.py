@@ -72,7 +72,7 @@ def load_models(
     gguf_file: str | None,
     prepack: bool,
     exact: str = "auto",
-    quantization: str = "none",
+    quantization: str = "auto",
 ):
     """``speculum.load`` as ``generate`` and ``serve`` call it, under the loading spinner."""
     if exact not in ("auto", "on", "off"):
@@ -104,7 +104,10 @@ ExactOption = Annotated[
 ]
 QuantizationOption = Annotated[
     str,
-    typer.Option(help="none or gguf: compute a GGUF model's linear layers on the file's own quantized weights (CPU)."),
+    typer.Option(
+        help="auto, none or gguf: a GGUF model's linear layers on the file's own quantized weights (CPU; auto: "
+        "where measured faster)."
+    ),
 ]
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
 DraftDeviceOption = Annotated[str | None, typer.Option(help="Put the draft model on another device.")]

@@ -10,7 +10,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from speculum.cli.common import DEFAULT_MODEL, DeviceOption, ModelOption, PrepackOption, err, fail, load_models
+from speculum.cli.common import (
+    DEFAULT_MODEL,
+    DeviceOption,
+    ModelOption,
+    PrepackOption,
+    QuantizationOption,
+    err,
+    fail,
+    load_models,
+)
 from speculum.errors import SpeculumError
 
 diagnose_app = typer.Typer(no_args_is_help=True, help="Diagnostics of what a forward computes.")
@@ -39,6 +48,7 @@ def divergence(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
     device: DeviceOption = "cpu",
     prepack: PrepackOption = True,
+    quantization: QuantizationOption = "none",
 ) -> None:
     """Run one position as plain decoding and as a verification, a tree and a batch row; report the
     first module whose output differs bitwise, and whether the logits' argmax does."""
@@ -56,7 +66,14 @@ def divergence(
         fail(f"--other given {len(other)} times; a batch of {batch} needs {batch - 1}")
     try:
         spec = load_models(
-            model or DEFAULT_MODEL, None, dtype=dtype, device=device, draft_device=None, gguf_file=None, prepack=prepack
+            model or DEFAULT_MODEL,
+            None,
+            dtype=dtype,
+            device=device,
+            draft_device=None,
+            gguf_file=None,
+            prepack=prepack,
+            quantization=quantization,
         )
         ids = spec.encode_prompt(prompt) if ids is None else ids
         others = [spec.encode_prompt(text) for text in other] if other else None

@@ -78,7 +78,7 @@ def generate(
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
     exact: ExactOption = "auto",
-    quantization: QuantizationOption = "none",
+    quantization: QuantizationOption = "auto",
 ) -> None:
     """Generate text with a speculative method; the output equals plain decoding."""
     from speculum.sampling import SamplingParams
@@ -160,8 +160,11 @@ def print_stats(
         err.print(f"defaults: measured for {where} (preset=paper: the published ones)", markup=False)
     if dtype_choice is not None:  # what dtype="auto" chose and why, on one line
         err.print(f"dtype: {dtype_choice.describe()}", soft_wrap=True, markup=False, highlight=False)
-    if quantization is not None:  # which layers run on the GGUF's own blocks, and which stayed de-quantized
-        err.print(f"quantization: {quantization.describe()}", soft_wrap=True, markup=False, highlight=False)
+    choice, report = quantization or (None, None)
+    if choice is not None:  # what quantization="auto" chose, and the timings it chose by
+        err.print(f"quantization: {choice.describe()}", soft_wrap=True, markup=False, highlight=False)
+    if report is not None:  # which layers run on the GGUF's own blocks, and which stayed de-quantized
+        err.print(f"quantized layers: {report.describe()}", soft_wrap=True, markup=False, highlight=False)
     if row_padding is not None:  # whether one- and two-token forwards run on a 4-row kernel, and why
         err.print(f"linear layers: {row_padding.describe()}", soft_wrap=True, markup=False, highlight=False)
     if exact is not None:  # whether the output is independent of drafts and batch neighbours, and how

@@ -76,7 +76,7 @@ def serve(
     gguf_file: GgufFileOption = None,
     prepack: PrepackOption = True,
     exact: ExactOption = "auto",
-    quantization: QuantizationOption = "none",
+    quantization: QuantizationOption = "auto",
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (streaming, speculation statistics) with a

@@ -16,6 +16,7 @@ from speculum.cli.common import (
     DEFAULT_MODEL,
     DeviceOption,
     DtypeOption,
+    QuantizationOption,
     ThreadsOption,
     err,
     fail,
@@ -43,6 +44,7 @@ def tune(
     ] = 0.05,
     confirm: Annotated[bool, typer.Option(help="Time the choice against plain decoding and the defaults.")] = True,
     dtype: DtypeOption = "auto",
+    quantization: QuantizationOption = "auto",
     device: DeviceOption = "cpu",
     threads: ThreadsOption = None,
     chat: Annotated[
@@ -77,7 +79,7 @@ def tune(
         if threads is not None:
             torch.set_num_threads(threads)
         with loading(model, draft):
-            spec = speculum.load(model, draft, dtype=dtype, device=device)
+            spec = speculum.load(model, draft, dtype=dtype, device=device, quantization=quantization)
         ids = _prompt_ids(spec, prompts, chat)
         result = run_tune(
             spec,

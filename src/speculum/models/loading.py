@@ -17,6 +17,7 @@ from speculum.exact import wants_exact
 from speculum.models import gguf_weights
 from speculum.models.convert import _converted_dir, _ensure_packaged, _is_converted, ensure_converted
 from speculum.models.dtypes import DtypeChoice, _check_device, choose_dtype, resolve_dtype
+from speculum.models.quant_choice import choose_quantization
 from speculum.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, _is_installed
 
 logger = logging.getLogger("speculum")
@@ -190,14 +191,17 @@ def load_with_dtype_choice(
     elif device != "cpu":
         kwargs["device_map"] = device
     resolve_dtype(dtype, device)  # a bad dtype is refused before anything is read or converted
-    quantized = check_quantization(quantization, device)
-    source, extra = _resolve_source(name_or_path, gguf_file, blocks=quantized)
-    if quantized and not (Path(source) / gguf_weights.BLOCKS_FILE).is_file():
+    wanted = check_quantization(quantization, device)
+    if wanted == "auto" and (str(device) != "cpu" or device_map is not None):
+        wanted = "none"  # the quantized kernel is a CPU kernel
+    source, extra = _resolve_source(name_or_path, gguf_file, blocks=wanted != "none")
+    has_blocks = (Path(source) / gguf_weights.BLOCKS_FILE).is_file()
+    if wanted == "gguf" and not has_blocks:
         raise InvalidInputError(
             f"quantization='gguf' needs a GGUF file or a packaged alias; {name_or_path!r} is not one "
             "(use quantization='none')"
         )
-    if quantized and dtype == "auto":
+    if wanted == "gguf" and dtype == "auto":
         choice = DtypeChoice(torch.float32, GGUF_DTYPE_REASON)
     else:
         choice = choose_dtype(
@@ -208,6 +212,12 @@ def load_with_dtype_choice(
             measure=device_map is None,
             exact=wants_exact(exact, torch.bfloat16)[0],
         )
+    quantization_choice = None
+    if wanted == "auto":  # measured against the de-quantized model in the dtype it would run in
+        quantization_choice = choose_quantization(Path(source) if has_blocks else None, choice.dtype, prepack)
+        wanted = quantization_choice.quantization
+        if wanted == "gguf" and dtype == "auto":
+            choice = DtypeChoice(torch.float32, GGUF_DTYPE_REASON)
     kwargs.update(dtype=choice.dtype, **extra)
     try:
         model = _from_pretrained(AutoModelForCausalLM, source, "model", **kwargs)
@@ -218,8 +228,9 @@ def load_with_dtype_choice(
         raise ModelLoadError(f"cannot load model {name_or_path!r} from {source}: {type(e).__name__}: {e}") from e
     model.eval()
     model.requires_grad_(False)
-    model.speculum_quantization = None
-    if quantized:
+    model.speculum_quantization = None  # what the GGUF's blocks replaced (None: nothing)
+    model.speculum_quantization_choice = quantization_choice  # what quantization="auto" chose and why
+    if wanted == "gguf":
         try:
             model.speculum_quantization = gguf_weights.quantize_model(model, Path(source))
         except gguf_weights.KernelUnavailable as error:
@@ -227,20 +238,20 @@ def load_with_dtype_choice(
     return model, _fix_tokenizer(tokenizer), choice
 
 
-QUANTIZATIONS = ("none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf")
 GGUF_DTYPE_REASON = (
     "auto with quantization='gguf': the linear layers compute in float32 on the file's blocks, and the rest "
-    "runs faster in float32 than in bfloat16 there (no conversion around every layer, no exact mode needed)"
+    "runs faster in float32 than in bfloat16 there (no conversion around every layer)"
 )
 
 
-def check_quantization(quantization: str, device: str = "cpu") -> bool:
-    """Whether ``quantization`` asks for the GGUF's own blocks; a bad value or device is refused."""
+def check_quantization(quantization: str, device: str = "cpu") -> str:
+    """``quantization`` checked ("auto", "none" or "gguf"); a bad value, or "gguf" off the CPU, is refused."""
     if quantization not in QUANTIZATIONS:
         raise InvalidInputError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "gguf" and str(device) != "cpu":
         raise InvalidInputError("quantization='gguf' runs on the CPU only (its kernel is a CPU kernel)")
-    return quantization == "gguf"
+    return quantization
 
 
 def _check_device_map(device_map: str | dict) -> str | dict:
