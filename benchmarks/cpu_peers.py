@@ -137,7 +137,9 @@ def openvino_worker(args) -> None:
         model = OVModelForCausalLM.from_pretrained(
             args.ir, ov_config={"INFERENCE_NUM_THREADS": args.threads, **precision}
         )
-        return _serve_fidelity(lambda ids: model(input_ids=np.array([ids])).logits[0])
+        import torch  # optimum-intel's model class takes torch tensors
+
+        return _serve_fidelity(lambda ids: model(input_ids=torch.tensor([ids])).logits[0].float().numpy())
 
     properties = {"INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY"}
     if args.openvino_precision != "default":

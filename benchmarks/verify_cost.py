@@ -7,6 +7,10 @@ verifier needs) and over the last position only (``logits_to_keep=1``, what plai
     python benchmarks/verify_cost.py gemma-3-270m
     python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes float32,bfloat16 --prefix 300 --reps 5
     python benchmarks/verify_cost.py shape:qwen2.5-7b --device cuda --dtypes bfloat16 --prepack off
+    python benchmarks/verify_cost.py qwen2.5-coder-1.5b --dtypes bfloat16,gguf --prepack on
+
+``gguf`` in ``--dtypes``: the GGUF model's linear layers on the file's own blocks (``quantization="gguf"``,
+the rest in float32), as speculum runs a GGUF by default where that is faster.
 
 ``shape:NAME`` builds a published model's shape with random weights (what a forward costs does not
 depend on the weights): a GPU that cannot download a 7B or 70B model still gives its t(K);
@@ -63,6 +67,8 @@ def load_model(name: str, dtype: str, device: str, layers: int | None = None):
     if not name.startswith("shape:"):
         from speculum import models
 
+        if dtype == "gguf":
+            return models.load_with_dtype_choice(name, dtype="float32", device=device, quantization="gguf")[:2]
         return models.load_model(name, dtype=dtype, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -167,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         model, tokenizer = load_model(args.model, dtype, args.device, args.layers)
         model.eval()
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = accel.output_size(model)
         ids = prompt_ids(tokenizer, vocab, args.prefix + max(ks))
         for pack in [p.strip() for p in args.prepack.split(",")]:
-            if pack == "on" and not accel.prepack(model):
+            if pack == "on" and dtype != "gguf" and not accel.prepack(model):
                 continue  # not applicable (e.g. bfloat16)
-            label = str(model.dtype).replace("torch.", "") + (" prepacked" if pack == "on" else "")
+            if pack == "off" and dtype == "gguf" and "on" in args.prepack:
+                continue  # one row for the quantized model
+            label = "gguf blocks, float32 rest" if dtype == "gguf" else str(model.dtype).replace("torch.", "")
+            if pack == "on" and dtype == "gguf":
+                pass  # nothing left to prepack: the quantized layers are packed for their own kernel
+            elif pack == "on":
+                label += " prepacked"
             for head in heads:
                 t = measure(model, ids, args.prefix, ks, args.reps, last_only=head == "last")
                 rows.append((label, "all K positions" if head == "all" else "last only", t))
