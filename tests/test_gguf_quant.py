@@ -225,9 +225,10 @@ def test_auto_quantization_measures_caches_and_says_why(isolated_cache, quantize
     if choice.quantization == "gguf":  # the rest of the model then runs in float32
         assert spec.dtype_choice.dtype is torch.float32
     again = speculum.load(str(quantized_gguf), quantization="auto", exact=False).quantization_choice
-    assert again.cached and again.quantization == choice.quantization and again.ms == choice.ms
-    # the verdict follows the timings: the faster candidate over one row and five
-    monkeypatch.setattr(quant_choice, "_measure", lambda *a: {"gguf": {1: 9.0, 5: 30.0}, "none": {1: 20.0, 5: 21.0}})
+    if not choice.provisional:  # (one measured while other work loaded the CPU is measured again at rest)
+        assert again.cached and again.quantization == choice.quantization and again.ms == choice.ms
+    # the verdict follows the timings: the faster mean over one row and five (a cheap step, a dear verification)
+    monkeypatch.setattr(quant_choice, "_measure", lambda *a: {"gguf": {1: 9.0, 5: 40.0}, "none": {1: 20.0, 5: 21.0}})
     monkeypatch.setattr(quant_choice, "_cache_key", lambda *a: "forced")
     converted = next((models.cache_dir() / "models").iterdir())
     assert quant_choice.choose_quantization(converted, torch.float32, True).quantization == "none"
@@ -237,10 +238,7 @@ def test_auto_quantization_stays_off_without_blocks_or_vnni(isolated_cache, quan
     import speculum
     from speculum.models import quant_choice
 
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "plain")
-    spec = speculum.load(str(tmp_path / "plain"), quantization="auto", dtype="float32")
-    assert spec.quantization is None and "not a GGUF file" in spec.quantization_choice.describe()
+    assert "not a GGUF file" in quant_choice.choose_quantization(None, torch.float32, True).describe()
     monkeypatch.setattr(quant_choice.quant, "native_isa", lambda: "portable")
     spec = speculum.load(str(quantized_gguf), quantization="auto", exact=False)
     assert spec.quantization is None and "no AVX-512 VNNI" in spec.quantization_choice.reason

@@ -45,6 +45,7 @@ class QuantizationChoice:
     reason: str
     ms: dict[str, dict[int, float]] = field(default_factory=dict)
     cached: bool = False
+    provisional: bool = False  # measured while other work loaded the CPU: measured again by a load at rest
 
     def describe(self) -> str:
         if not self.ms:
@@ -54,6 +55,7 @@ class QuantizationChoice:
         )
         rows = " / ".join(str(r) for r in _ROWS)
         when = "measured earlier, cached" if self.cached else "measured now"
+        when += ", while the CPU was busy" if self.provisional else ""
         return f"{self.quantization} ({self.reason}: linear layers at {rows} rows, {timed}; {when})"
 
 
@@ -83,7 +85,7 @@ def choose_quantization(converted: Path | None, dtype: torch.dtype, prepack: boo
     mean = {name: sum(rows.values()) / len(rows) for name, rows in ms.items()}
     faster = "gguf" if mean["gguf"] < mean["none"] else "none"
     reason = "auto: the file's blocks are faster here" if faster == "gguf" else "auto: de-quantized is faster here"
-    return QuantizationChoice(faster, reason, ms, verdict.cached)
+    return QuantizationChoice(faster, reason, ms, verdict.cached, verdict.provisional)
 
 
 def _cache_key(converted: Path, blocks: BlockFile, dtype: torch.dtype, prepack: bool) -> str:
