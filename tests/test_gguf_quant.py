@@ -262,3 +262,18 @@ def test_quantized_layers_turn_exact_mode_on(isolated_cache, quantized_gguf):
             past = out.past_key_values
             steps.append(out.logits[0, -1])
     assert torch.equal(torch.stack(steps), whole[5:])
+
+
+def test_cli_stats_say_what_was_quantized_and_why(isolated_cache, quantized_gguf):
+    from typer.testing import CliRunner
+
+    from speculum.cli import app
+
+    for quantization, expected in (("gguf", "quantized layers: gguf"), ("auto", "quantization: ")):
+        result = CliRunner().invoke(
+            app,
+            ["generate", "hello world", "--model", str(quantized_gguf), "--quantization", quantization,
+             "--max-new-tokens", "4", "--method", "autoregressive", "--stats"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert expected in result.output

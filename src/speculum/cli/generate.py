@@ -137,7 +137,7 @@ def generate(
             spec.device_type,
             cost_model,
             spec.exact,
-            spec.quantization,
+            (spec.quantization_choice, spec.quantization),
         )
 
 
