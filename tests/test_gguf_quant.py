@@ -4,7 +4,6 @@ equal their prompt alone, sampling follows the quantized model; bad values are r
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from speculum.sampling import SamplingParams
 from test_quant_kernel import NATIVE, _module, random_blocks
 
 from helpers import build_drafter, fit_pvalue, generate_ids
-from tiny_models import perturbed_copy, repetitive_prompt, tiny_model
+from tiny_models import perturbed_copy, repetitive_prompt, tiny_model, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -89,55 +88,16 @@ def test_sampling_follows_the_quantized_model():
 # ------------------------------------------------------------------------------- a GGUF file
 
 
-def write_quantized_gguf(path, kinds: dict[str, str], hidden=256, inter=512, layers=2, heads=4, kv=2, seed=0):
+def write_quantized_gguf(path, kinds: dict[str, str], hidden=256, inter=512, seed=0):
     """A tiny Llama GGUF whose matrices have the GGUF types ``kinds`` gives by tensor role (random
-    valid blocks), with a llama-style tokenizer transformers can load."""
-    words = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e", "l", "o", "▁"]
-    tokens = ["<unk>", "<s>", "</s>", *words]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-quantized-llama")
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(words))])
-    writer.add_token_types([2, 3, 3] + [1] * len(words))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    valid blocks)."""
     counter = iter(range(1000))
 
-    def matrix(name, role, rows, cols):
-        kind = kinds[role]
-        raw = random_blocks(kind, rows, cols, seed=seed * 1000 + next(counter), size=0.3)
-        writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    def matrix(writer, name, role, rows, cols):
+        raw = random_blocks(kinds[role], rows, cols, seed=seed * 1000 + next(counter), size=0.3)
+        writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kinds[role]))
 
-    head_dim = hidden // heads
-    matrix("token_embd.weight", "embedding", len(tokens), hidden)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    matrix("output.weight", "head", len(tokens), hidden)
-    for i in range(layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        matrix(f"blk.{i}.attn_q.weight", "attention", heads * head_dim, hidden)
-        matrix(f"blk.{i}.attn_k.weight", "attention", kv * head_dim, hidden)
-        matrix(f"blk.{i}.attn_v.weight", "values", kv * head_dim, hidden)
-        matrix(f"blk.{i}.attn_output.weight", "attention", hidden, heads * head_dim)
-        matrix(f"blk.{i}.ffn_gate.weight", "mlp", inter, hidden)
-        matrix(f"blk.{i}.ffn_up.weight", "mlp", inter, hidden)
-        matrix(f"blk.{i}.ffn_down.weight", "down", hidden, inter)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_gguf(path, hidden=hidden, inter=inter, seed=seed, matrix=matrix)
 
 
 K_QUANT_KINDS = {"embedding": "Q4_K", "head": "Q6_K", "attention": "Q4_K", "values": "Q6_K", "mlp": "Q5_K",

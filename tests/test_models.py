@@ -12,7 +12,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +19,9 @@ from speculum import machine, models
 from speculum.errors import IncompatibleDraftError, InvalidInputError, ModelLoadError
 from speculum.runner import with_cache
 
-WORDS = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e", "l", "o", "▁"]
+from tiny_models import GGUF_WORDS, write_tiny_gguf
+
+WORDS = GGUF_WORDS
 
 
 @pytest.fixture(autouse=True)
@@ -77,55 +78,6 @@ def tiny_gemma3(layers=4, seed=0):
         final_logit_softcapping=30.0,
     )
     return Gemma3ForCausalLM(config).eval()
-
-
-def write_tiny_gguf(path: Path, words=WORDS, hidden=32, layers=2, heads=4, kv=2, inter=64, seed=0) -> Path:
-    """A tiny float32 Llama GGUF (with a llama-style tokenizer) that transformers can load."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    tokens = ["<unk>", "<s>", "</s>", *words]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(words))])
-    writer.add_token_types([2, 3, 3] + [1] * len(words))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-
-    def rand(name, shape):
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
-
-    head_dim = hidden // heads
-    rand("token_embd.weight", (len(tokens), hidden))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    rand("output.weight", (len(tokens), hidden))
-    for i in range(layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        rand(f"blk.{i}.attn_q.weight", (heads * head_dim, hidden))
-        rand(f"blk.{i}.attn_k.weight", (kv * head_dim, hidden))
-        rand(f"blk.{i}.attn_v.weight", (kv * head_dim, hidden))
-        rand(f"blk.{i}.attn_output.weight", (hidden, heads * head_dim))
-        rand(f"blk.{i}.ffn_gate.weight", (inter, hidden))
-        rand(f"blk.{i}.ffn_up.weight", (inter, hidden))
-        rand(f"blk.{i}.ffn_down.weight", (hidden, inter))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -132,3 +132,59 @@ def word_tokenizer():
     )
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return tok
+
+
+GGUF_WORDS = ["▁hello", "▁world", "▁foo", "▁bar", "▁the", "▁a", "h", "e", "l", "o", "▁"]
+
+
+def write_tiny_gguf(path, words=GGUF_WORDS, hidden=32, layers=2, heads=4, kv=2, inter=64, seed=0, matrix=None):
+    """A tiny Llama GGUF (with a llama-style tokenizer) that transformers can load. ``matrix(writer,
+    name, role, rows, cols)`` writes each matrix (role: embedding, head, attention, values, mlp or
+    down); by default float32 random values."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<unk>", "<s>", "</s>", *words]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([2, 3, 3] + [1] * len(words))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+    def random_float32(writer, name, role, rows, cols):
+        writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32))
+
+    write = matrix or random_float32
+    head_dim = hidden // heads
+    write(writer, "token_embd.weight", "embedding", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    write(writer, "output.weight", "head", len(tokens), hidden)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        write(writer, f"blk.{i}.attn_q.weight", "attention", heads * head_dim, hidden)
+        write(writer, f"blk.{i}.attn_k.weight", "attention", kv * head_dim, hidden)
+        write(writer, f"blk.{i}.attn_v.weight", "values", kv * head_dim, hidden)
+        write(writer, f"blk.{i}.attn_output.weight", "attention", hidden, heads * head_dim)
+        write(writer, f"blk.{i}.ffn_gate.weight", "mlp", inter, hidden)
+        write(writer, f"blk.{i}.ffn_up.weight", "mlp", inter, hidden)
+        write(writer, f"blk.{i}.ffn_down.weight", "down", hidden, inter)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
