@@ -3,6 +3,8 @@ torch reference, in every row whatever the row count, slot or thread count (port
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,33 @@ def test_decoded_blocks_dequantize_as_gguf_does(name):
     assert torch.equal(dequantize(again), dequantize(weight)[rows])
 
 
+def _correctly_rounded(a: float, b: float, c: float) -> np.float32:
+    """a * b + c rounded once to float32, from the exact rational value (nearest, ties to even)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    guess = np.float32(float(exact))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.uint32)) & 1))
+
+
+def test_fused_multiply_add_rounds_once_where_float64_would_round_twice():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(3000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, 3000)
+    b = rng.standard_normal(3000).astype(np.float32)
+    c = rng.standard_normal(3000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, 3000)
+    # (1 + 2^-23) + 2^-24 - 2^-60 lies just below a float32 midpoint: float64 rounds it onto the
+    # midpoint, whose tie then goes up to the even neighbour; rounded once it goes down
+    a[:2], b[:2] = [2**-24 * (1 + 2**-18), -(2**-24) * (1 + 2**-18)], [1 - 2**-18, 1 - 2**-18]
+    c[:2] = [1 + 2**-23, -(1 + 2**-23)]
+    out = quant.fused_multiply_add(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c)).numpy()
+    expected = np.array(
+        [_correctly_rounded(*v) for v in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)], np.float32
+    )
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+    assert out[0] == np.float32(1 + 2**-23) and out[1] == -np.float32(1 + 2**-23)
+    naive = (a.astype(np.float64) * b + c).astype(np.float32)  # the double rounding the test is about
+    assert naive[0] == np.float32(1 + 2**-22)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_equals_its_torch_reference(isa, name):
@@ -97,3 +126,18 @@ def test_portable_and_native_builds_agree():
         packed = quant.pack(decode(random_blocks(name, n, k, seed=6), name, (n, k)))
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(7))
         assert torch.equal(quant.linear(_module("portable"), x, packed), quant.linear(_module(NATIVE), x, packed))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_layers_in_one_group_call_give_each_the_bits_of_its_own_call(isa):
+    module = _module(isa)
+    k = 512
+    weights = [decode(random_blocks(name, n, k, seed=i), name, (n, k)) for i, (name, n) in
+               enumerate([("Q4_K", 70), ("Q6_K", 16), ("Q8_0", 33)])]  # fmt: skip
+    packed = [quant.pack(w) for w in weights]
+    biases = [None, torch.randn(16), None]
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        group = quant.linear_group(module, x, packed, biases)
+        for out, p, bias in zip(group, packed, biases, strict=True):
+            assert torch.equal(out, quant.linear(module, x, p, bias))

@@ -42,12 +42,7 @@ def native_isa() -> str:
 def load(isa: str | None = None) -> ModuleType:
     """The compiled quantized kernel for ``isa`` (default: :func:`native_isa`), built on first use."""
     isa = isa or native_isa()
-    import os
-
-    ahead = os.environ.get("QA", "16")
-    return build(
-        f"speculum_quant_rows_{isa}_a{ahead}", _SOURCE, _FLAGS[isa] + [f"-DKAHEAD={ahead}"], "quantized row kernel"
-    )
+    return build(f"speculum_quant_rows_{isa}", _SOURCE, _FLAGS[isa], "quantized row kernel")
 
 
 @dataclass
@@ -116,14 +111,44 @@ def linear(
     module: ModuleType, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, width: int = 0
 ) -> torch.Tensor:
     """``x @ W.T + bias`` on the compiled kernel, in ``x``'s dtype (float32 inside). ``width``: column
-    blocks per register tile (0: the kernel's choice by row count; any width gives the same bits)."""
-    flat = x.reshape(-1, packed.in_features).float().contiguous()
-    p = packed
-    out = module.linear(flat, p.format.name, p.codes, p.high, p.a, p.b, p.A, p.B, p.format.offset, width)
-    out = out[:, : p.out_features]
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], p.out_features)
+    blocks per register tile (0: the kernel's choice, one; any width gives the same bits)."""
+    return linear_group(module, x, [packed], [bias], width)[0]
+
+
+def linear_group(
+    module: ModuleType,
+    x: torch.Tensor,
+    packed: list[Packed],
+    biases: list[torch.Tensor | None],
+    width: int = 0,
+) -> list[torch.Tensor]:
+    """Several layers' ``x @ W.T + bias`` in one call (one quantization of ``x``, one pass over all
+    their columns): each output the same bits as a call of its own."""
+    flat = x.reshape(-1, packed[0].in_features)
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.float().contiguous()
+    outs = module.linear_group(
+        flat,
+        [p.format.name for p in packed],
+        [p.codes for p in packed],
+        [p.high for p in packed],
+        [p.a for p in packed],
+        [p.b for p in packed],
+        [p.A for p in packed],
+        [p.B for p in packed],
+        [p.format.offset for p in packed],
+        width,
+    )
+    results = []
+    for out, p, bias in zip(outs, packed, biases, strict=True):
+        if out.shape[1] != p.out_features:
+            out = out[:, : p.out_features]
+        if bias is not None:
+            out = out + bias.float()
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        results.append(out.reshape(*x.shape[:-1], p.out_features))
+    return results
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,12 +187,30 @@ def reference_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | 
         if fmt.sub_scales:
             d = d * weight.a.to(torch.int64)[None]
         d = d.view(m, n, units, per_unit).sum(-1)
-    terms = (dx[:, None, :] * scale[None]) * d.to(torch.int32).float()
+    scaled = dx[:, None, :] * scale[None]  # [M, N, units]
+    d = d.to(torch.int32).float()
     if fmt.two_scale:
-        terms = terms - (dx[:, None, :] * low[None]) * sums.float()[:, None, :]
+        mins = -(dx * sums.float())  # G = UNIT: one sum per unit
     out = torch.zeros(m, n)
-    for u in range(units):  # units added in order, one rounding each
-        out = out + terms[..., u]
+    for u in range(units):  # units added in order, one rounding per fused multiply-add
+        out = fused_multiply_add(d[..., u], scaled[..., u], out)
+        if fmt.two_scale:
+            out = fused_multiply_add(low[None, :, u], mins[:, None, u], out)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors with one rounding, as the kernel's fused multiply-adds: the
+    product is exact in float64, the sum is rounded to odd there (a correction by its exact error),
+    and rounding that to float32 is then the correctly rounded result (Boldo and Melquiond, 2008)."""
+    a, b, c = torch.broadcast_tensors(a.double(), b.double(), c.double())
+    product = a * b
+    total = product + c
+    back = total - c  # two-sum: error = exact sum - total, representable in float64
+    error = (product - back) + (c - (total - back))
+    even = (total.view(torch.int64) & 1) == 0
+    toward = torch.where(error > 0, torch.full_like(total, torch.inf), torch.full_like(total, -torch.inf))
+    total = torch.where((error != 0) & even, torch.nextafter(total, toward), total)
+    return total.float()

@@ -5,15 +5,15 @@
 // even): finer than llama.cpp's 256 for K-quants, which keeps the model close to the file's weights
 // where activations have outliers. A weight is codes q (unsigned, 4 to 8 bits) in sub-blocks of G
 // with small integer scales and one or two float scales per block of S. Each unit's dot product is
-// an exact integer (vpdpbusd); float arithmetic starts once per unit, in one fixed order and with no
-// fused multiply-adds, so a row's result is the same whatever else shares the call.
+// an exact integer (vpdpbusd); float arithmetic starts once per unit, in one fixed order of fused
+// multiply-adds (one rounding each), so a row's result is the same whatever else shares the call.
 //
 //   one-scale types  w = A * a_j * (q - c)        (Q4_0, Q5_0, Q8_0: a = 1; Q6_K: G = 16)
 //   two-scale types  w = A * a_j * q - B * b_j    (Q4_1, Q5_1: a = b = 1; Q4_K, Q5_K)
 //   per unit u:  d = sum over its sub-blocks j of [a_j *] (q_j . x_j - c * sum(x_j))   (one-scale)
 //                d = q_u . x_u                                                          (two-scale)
-//                scale = A [* float(a_u)],  low = B [* float(b_u)]
-//                y = y + ((dx_u * scale) * float(d) [ - (dx_u * low) * float(sum(x_u)) ])
+//                scale = A [* float(a_u)],  low = B [* float(b_u)],  m_u = -(dx_u * float(sum(x_u)))
+//                y = fma(float(d), dx_u * scale, y)  [then  y = fma(low, m_u, y)]
 //
 // Packed layout (speculum.kernels.quant.pack), per block of 16 output columns ("lanes"):
 //   codes  [NB][K/8][64] uint8: byte 4*lane+i holds k = 8t+i (low nibble) and 8t+4+i (high nibble);
@@ -48,6 +48,7 @@ struct Rows {
   const int8_t* xq;     // [M, K]
   const float* dx;      // [M, K/32]
   const int32_t* sums;  // [M, K/G]: each sub-block's sum of x, times c for one-scale types
+  const float* mins;    // [M, K/32]: -(dx * sum) per unit, for two-scale types' low term
 };
 
 template <int BITS_, int G_, int S_, bool TWO_, bool HAS_A_, bool HAS_B_>
@@ -119,6 +120,8 @@ template <class F, int R, int NL>
 inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t u1, int64_t r0, float* out,
                  int64_t ld) {
   constexpr int H = kUnit / F::G, PAIRS = F::G / 8;  // sub-blocks per unit, code vector pairs per sub-block
+  constexpr bool SPLIT = R * NL <= 2;                 // two chains per tile where too few would wait on latency
+  static_assert(!F::TWO || F::G == kUnit, "two-scale types keep one sub-block per unit");
   const int64_t nU = L.K / kUnit, nG = L.K / F::G, nS = L.K / F::S;
   __m512 y[R][NL];
   for (int r = 0; r < R; ++r)
@@ -135,19 +138,28 @@ inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t
     __m512i d[R][NL];
     for (int h = 0; h < H; ++h) {
       const int64_t g = u * H + h;
-      __m512i part[R][NL];
+      __m512i part[R][NL], second[R][NL];
       for (int r = 0; r < R; ++r)
-        for (int l = 0; l < NL; ++l) part[r][l] = _mm512_setzero_si512();
+        for (int l = 0; l < NL; ++l) part[r][l] = second[r][l] = _mm512_setzero_si512();
       for (int t = 0; t < PAIRS; ++t) {
         __m512i lo[NL], hi[NL];
         for (int l = 0; l < NL; ++l) unpack<F>(L, nb0 + l, g * PAIRS + t, lo[l], hi[l]);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = X.xq + (r0 + r) * L.K + g * F::G + 8 * t;
           const __m512i x0 = broadcast4(x), x1 = broadcast4(x + 4);
-          for (int l = 0; l < NL; ++l)
-            part[r][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[r][l], lo[l], x0), hi[l], x1);
+          for (int l = 0; l < NL; ++l) {
+            if constexpr (SPLIT) {
+              part[r][l] = _mm512_dpbusd_epi32(part[r][l], lo[l], x0);
+              second[r][l] = _mm512_dpbusd_epi32(second[r][l], hi[l], x1);
+            } else {
+              part[r][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[r][l], lo[l], x0), hi[l], x1);
+            }
+          }
         }
       }
+      if constexpr (SPLIT)  // integer sums: the split changes no bit
+        for (int r = 0; r < R; ++r)
+          for (int l = 0; l < NL; ++l) part[r][l] = _mm512_add_epi32(part[r][l], second[r][l]);
       for (int l = 0; l < NL; ++l) {
         __m512i a = _mm512_setzero_si512();
         if constexpr (!F::TWO && F::HAS_A)
@@ -171,13 +183,9 @@ inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t
         low = _mm512_mul_ps(low, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
       }
       for (int r = 0; r < R; ++r) {
-        const __m512 dx = _mm512_set1_ps(X.dx[(r0 + r) * nU + u]);
-        __m512 t = _mm512_mul_ps(_mm512_mul_ps(dx, scale), _mm512_cvtepi32_ps(d[r][l]));
-        if constexpr (F::TWO) {
-          const __m512 sum = _mm512_set1_ps(float(X.sums[(r0 + r) * nG + u]));
-          t = _mm512_sub_ps(t, _mm512_mul_ps(_mm512_mul_ps(dx, low), sum));
-        }
-        y[r][l] = _mm512_add_ps(y[r][l], t);
+        const __m512 dxs = _mm512_mul_ps(_mm512_set1_ps(X.dx[(r0 + r) * nU + u]), scale);
+        y[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][l]), dxs, y[r][l]);
+        if constexpr (F::TWO) y[r][l] = _mm512_fmadd_ps(low, _mm512_set1_ps(X.mins[(r0 + r) * nU + u]), y[r][l]);
       }
     }
   }
@@ -212,10 +220,8 @@ inline void lane_rows(const Layer& L, const Rows& X, int64_t nb, int64_t u0, int
           scale = scale * float(L.a[(nb * nG + u) * 16 + lane]);
           low = low * float(L.b[(nb * nG + u) * 16 + lane]);
         }
-        const float dx = X.dx[(r0 + r) * nU + u];
-        float t = (dx * scale) * float(d);
-        if constexpr (F::TWO) t = t - (dx * low) * float(X.sums[(r0 + r) * nG + u]);
-        *y = *y + t;
+        *y = std::fma(float(d), X.dx[(r0 + r) * nU + u] * scale, *y);
+        if constexpr (F::TWO) *y = std::fma(low, X.mins[(r0 + r) * nU + u], *y);
       }
     }
 }
@@ -243,6 +249,9 @@ void columns(const Layer& L, const Rows& X, int64_t M, int64_t nb0, float* out, 
       } else if (RMAX >= 4 && left >= 4) {
         tile<F, RMAX >= 4 ? 4 : 1, NL>(L, X, nb0, u0, u1, r0, out, ld);
         r0 += 4;
+      } else if (RMAX >= 4 && left == 3) {
+        tile<F, RMAX >= 4 ? 3 : 1, NL>(L, X, nb0, u0, u1, r0, out, ld);
+        r0 += 3;
       } else if (RMAX >= 2 && left >= 2) {
         tile<F, RMAX >= 2 ? 2 : 1, NL>(L, X, nb0, u0, u1, r0, out, ld);
         r0 += 2;
@@ -254,8 +263,8 @@ void columns(const Layer& L, const Rows& X, int64_t M, int64_t nb0, float* out, 
   }
 }
 
-// x's rows as int8 per unit of 32 values, with each sub-block's sum (times c for one-scale types).
-void quantize_rows(const float* x, int64_t M, int64_t K, int G, int32_t offset, int8_t* xq, float* dx, int32_t* sums) {
+// x's rows as int8 per unit of 32 values (round half to even), with each unit's scale.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t u = 0; u < K / kUnit; ++u) {
@@ -266,76 +275,126 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int G, int32_t offset, 
         dx[m * (K / kUnit) + u] = amax / 127.0f;
         int8_t* q = xq + m * K + u * kUnit;
         for (int i = 0; i < kUnit; ++i) q[i] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
-        for (int j = 0; j < kUnit / G; ++j) {
-          int32_t total = 0;
-          for (int i = 0; i < G; ++i) total += q[j * G + i];
-          sums[m * (K / G) + u * (kUnit / G) + j] = total * offset;
-        }
       }
   });
 }
 
-template <class F>
-torch::Tensor run(const Layer& L, const torch::Tensor& x, int64_t width) {
-  const int64_t M = x.size(0), K = L.K, ld = L.NB * 16;
-  auto out = torch::zeros({M, ld}, x.options().dtype(torch::kFloat));
-  if (M == 0) return out;
-  torch::Tensor xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  torch::Tensor dx = torch::empty({M, K / kUnit}, x.options().dtype(torch::kFloat));
-  torch::Tensor sums = torch::empty({M, K / F::G}, x.options().dtype(torch::kInt));
-  quantize_rows(x.data_ptr<float>(), M, K, F::G, F::TWO ? 1 : L.offset, xq.data_ptr<int8_t>(),
-                dx.data_ptr<float>(), sums.data_ptr<int32_t>());
-  const Rows X{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>()};
-  float* y = out.data_ptr<float>();
-  // Few rows: two column blocks per tile, for independent chains; many rows: one, for registers.
-  if (width <= 0) width = M < 4 ? 2 : 1;
-  at::parallel_for(0, (L.NB + width - 1) / width, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t nb = c * width;
-      if (nb + width > L.NB) {  // the last, narrower group
-        for (int64_t b = nb; b < L.NB; ++b) columns<F, 1>(L, X, M, b, y, ld);
-      } else if (width == 4) {
-        columns<F, 4>(L, X, M, nb, y, ld);
-      } else if (width == 2) {
-        columns<F, 2>(L, X, M, nb, y, ld);
-      } else {
-        columns<F, 1>(L, X, M, nb, y, ld);
-      }
+// Each sub-block's sum of the quantized rows, times c for one-scale types; for two-scale types
+// (G = 32) also each unit's -(dx * sum), the low term's row factor.
+void sub_block_sums(const int8_t* xq, const float* dx, int64_t M, int64_t K, int G, bool two, int32_t offset,
+                    int32_t* sums, float* mins) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / G; ++g) {
+      int32_t total = 0;
+      for (int i = 0; i < G; ++i) total += xq[m * K + g * G + i];
+      sums[m * (K / G) + g] = two ? total : total * offset;
+      if (two) mins[m * (K / kUnit) + g] = -(dx[m * (K / kUnit) + g] * float(total));
     }
-  });
-  return out;
+}
+
+// Column blocks nb .. nb+count of one layer for every row (count <= width).
+template <class F>
+void column_group(const Layer& L, const Rows& X, int64_t M, int64_t nb, int64_t count, float* y, int64_t ld) {
+  if (count == 4) {
+    columns<F, 4>(L, X, M, nb, y, ld);
+  } else if (count == 2) {
+    columns<F, 2>(L, X, M, nb, y, ld);
+  } else {
+    for (int64_t b = nb; b < nb + count; ++b) columns<F, 1>(L, X, M, b, y, ld);
+  }
+}
+
+using ColumnGroup = void (*)(const Layer&, const Rows&, int64_t, int64_t, int64_t, float*, int64_t);
+
+struct Kind {
+  ColumnGroup group;
+  int G;
+  bool two;
+};
+
+Kind format_of(const std::string& fmt) {
+  if (fmt == "Q4_0") return {column_group<Q4_0>, Q4_0::G, Q4_0::TWO};
+  if (fmt == "Q4_1") return {column_group<Q4_1>, Q4_1::G, Q4_1::TWO};
+  if (fmt == "Q5_0") return {column_group<Q5_0>, Q5_0::G, Q5_0::TWO};
+  if (fmt == "Q5_1") return {column_group<Q5_1>, Q5_1::G, Q5_1::TWO};
+  if (fmt == "Q8_0") return {column_group<Q8_0>, Q8_0::G, Q8_0::TWO};
+  if (fmt == "Q4_K") return {column_group<Q4_K>, Q4_K::G, Q4_K::TWO};
+  if (fmt == "Q5_K") return {column_group<Q5_K>, Q5_K::G, Q5_K::TWO};
+  if (fmt == "Q6_K") return {column_group<Q6_K>, Q6_K::G, Q6_K::TWO};
+  TORCH_CHECK(false, "no kernel for GGUF type ", fmt);
 }
 
 const void* data_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
 
 }  // namespace
 
-// x: [M, K] float32. fmt: the GGUF type's name. Returns [M, NB*16] float32 (no bias).
-torch::Tensor linear(torch::Tensor x, std::string fmt, torch::Tensor codes, torch::Tensor high, torch::Tensor a,
-                     torch::Tensor b, torch::Tensor A, torch::Tensor B, int64_t offset, int64_t width) {
+// x: [M, K] float32, through layers that all read it (a model's q/k/v or gate/up projections): one
+// quantization of x and one parallel pass over every layer's column blocks. fmts[i]: layer i's GGUF
+// type's name; the other lists hold its packed tensors (speculum.kernels.quant.pack). Returns each
+// layer's [M, NB*16] float32 product (no bias); every row the same bits as any other call gives it.
+std::vector<torch::Tensor> linear_group(torch::Tensor x, std::vector<std::string> fmts, std::vector<torch::Tensor> codes,
+                                        std::vector<torch::Tensor> high, std::vector<torch::Tensor> a,
+                                        std::vector<torch::Tensor> b, std::vector<torch::Tensor> A,
+                                        std::vector<torch::Tensor> B, std::vector<int64_t> offsets, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] float32");
-  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte, "codes: [NB, *, 64] uint8");
-  TORCH_CHECK(A.dim() == 3 && A.size(0) == codes.size(0) && A.size(2) == 16, "A: [NB, K/S, 16] float32");
-  const Layer L{codes.data_ptr<uint8_t>(),
-                static_cast<const uint64_t*>(data_or_null(high)),
-                static_cast<const int8_t*>(data_or_null(a)),
-                static_cast<const int8_t*>(data_or_null(b)),
-                A.data_ptr<float>(),
-                static_cast<const float*>(data_or_null(B)),
-                x.size(1),
-                codes.size(0),
-                int32_t(offset)};
-  const int64_t per = fmt == "Q8_0" ? 4 : 8;
-  TORCH_CHECK(codes.size(1) * per == L.K, "x's width differs from the packed weights'");
-  if (fmt == "Q4_0") return run<Q4_0>(L, x, width);
-  if (fmt == "Q4_1") return run<Q4_1>(L, x, width);
-  if (fmt == "Q5_0") return run<Q5_0>(L, x, width);
-  if (fmt == "Q5_1") return run<Q5_1>(L, x, width);
-  if (fmt == "Q8_0") return run<Q8_0>(L, x, width);
-  if (fmt == "Q4_K") return run<Q4_K>(L, x, width);
-  if (fmt == "Q5_K") return run<Q5_K>(L, x, width);
-  if (fmt == "Q6_K") return run<Q6_K>(L, x, width);
-  TORCH_CHECK(false, "no kernel for GGUF type ", fmt);
+  const size_t n = fmts.size();
+  TORCH_CHECK(n > 0 && codes.size() == n && high.size() == n && a.size() == n && b.size() == n && A.size() == n &&
+                  B.size() == n && offsets.size() == n,
+              "one entry per layer in every list");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kUnit == 0, "x's width is not a multiple of 32");
+  auto as = [&](at::ScalarType type) { return x.options().dtype(type); };
+  torch::Tensor xq = torch::empty({M, K}, as(torch::kChar)), dx = torch::empty({M, K / kUnit}, as(torch::kFloat));
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>());
+  // One column block per tile: its codes are one sequential stream, which memory serves fastest.
+  if (width <= 0) width = 1;
+  std::vector<Layer> layers;
+  std::vector<Kind> kinds;
+  std::vector<Rows> rows;
+  std::vector<torch::Tensor> outs, keep;
+  std::vector<int64_t> first{0};  // each layer's first column group in the pass
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(codes[i].dim() == 3 && codes[i].size(2) == 64 && codes[i].scalar_type() == at::kByte,
+                "codes: [NB, *, 64] uint8");
+    TORCH_CHECK(A[i].dim() == 3 && A[i].size(0) == codes[i].size(0) && A[i].size(2) == 16, "A: [NB, K/S, 16] float32");
+    TORCH_CHECK(codes[i].size(1) * (fmts[i] == "Q8_0" ? 4 : 8) == K, "x's width differs from the packed weights'");
+    const Kind kind = format_of(fmts[i]);
+    layers.push_back(Layer{codes[i].data_ptr<uint8_t>(), static_cast<const uint64_t*>(data_or_null(high[i])),
+                           static_cast<const int8_t*>(data_or_null(a[i])),
+                           static_cast<const int8_t*>(data_or_null(b[i])), A[i].data_ptr<float>(),
+                           static_cast<const float*>(data_or_null(B[i])), K, codes[i].size(0), int32_t(offsets[i])});
+    torch::Tensor sums = torch::empty({M, K / kind.G}, as(torch::kInt));
+    torch::Tensor mins = torch::empty({kind.two ? M : 0, K / kUnit}, as(torch::kFloat));
+    sub_block_sums(xq.data_ptr<int8_t>(), dx.data_ptr<float>(), M, K, kind.G, kind.two, int32_t(offsets[i]),
+                   sums.data_ptr<int32_t>(), kind.two ? mins.data_ptr<float>() : nullptr);
+    rows.push_back(Rows{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sums.data_ptr<int32_t>(),
+                        kind.two ? mins.data_ptr<float>() : nullptr});
+    keep.push_back(sums);
+    keep.push_back(mins);
+    kinds.push_back(kind);
+    outs.push_back(torch::zeros({M, layers[i].NB * 16}, as(torch::kFloat)));
+    first.push_back(first.back() + (layers[i].NB + width - 1) / width);
+  }
+  if (M == 0) return outs;
+  at::parallel_for(0, first.back(), 1, [&](int64_t c0, int64_t c1) {
+    size_t i = 0;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= first[i + 1]) ++i;
+      const Layer& L = layers[i];
+      const int64_t nb = (c - first[i]) * width;
+      kinds[i].group(L, rows[i], M, nb, std::min(width, L.NB - nb), outs[i].data_ptr<float>(), L.NB * 16);
+    }
+  });
+  return outs;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("linear", &linear, "GGUF-quantized linear, row-count invariant"); }
+// One layer: linear_group of one.
+torch::Tensor linear(torch::Tensor x, std::string fmt, torch::Tensor codes, torch::Tensor high, torch::Tensor a,
+                     torch::Tensor b, torch::Tensor A, torch::Tensor B, int64_t offset, int64_t width) {
+  return linear_group(x, {fmt}, {codes}, {high}, {a}, {b}, {A}, {B}, {offset}, width)[0];
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "GGUF-quantized linear, row-count invariant");
+  m.def("linear_group", &linear_group, "GGUF-quantized linear layers reading the same x, in one pass");
+}
