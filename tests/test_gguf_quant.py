@@ -38,6 +38,7 @@ def quantize_linears(model: nn.Module, kinds=("Q8_0", "Q4_0", "Q5_1"), isa: str 
         swaps.append((name, gguf_weights.QuantizedLinear(packed, layer.bias, module)))
     for name, new in swaps:
         model.set_submodule(name, new)
+    gguf_weights.group_siblings(model)
     return model
 
 
@@ -122,7 +123,7 @@ def test_gguf_layers_keep_the_files_blocks_and_stay_exact(isolated_cache, quanti
     spec = speculum.load(str(quantized_gguf), dtype="float32", quantization="gguf", exact=False)
     report = spec.quantization
     assert report.layers == {"Q4_K": 6, "Q5_K": 4, "Q6_K": 5} and report.embedding == "Q4_K"
-    assert not report.dequantized
+    assert not report.dequantized and report.sibling_groups == 4  # q/k/v and gate/up of 2 blocks
     plain = speculum.load(str(quantized_gguf), dtype="float32", exact=False, quantization="none")  # de-quantized
     assert plain.quantization is None
     ids = torch.tensor([[1, 5, 6, 7, 3, 4, 9, 10, 11, 12]])
@@ -237,3 +238,25 @@ def test_cli_stats_say_what_was_quantized_and_why(isolated_cache, quantized_gguf
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         assert expected in result.output
+
+
+def test_sibling_layers_in_one_call_give_each_the_bits_of_its_own_call():
+    model = quantize_linears(tiny_model("qwen2"))
+    attention = model.model.layers[0].self_attn
+    group = attention.q_proj.siblings
+    assert group is not None and group is attention.k_proj.siblings is attention.v_proj.siblings
+    assert model.model.layers[0].mlp.gate_proj.siblings is model.model.layers[0].mlp.up_proj.siblings
+    x, other = torch.randn(5, attention.q_proj.in_features), torch.randn(5, attention.q_proj.in_features)
+    alone = [quant.linear(m._module, x, m.packed, m.bias) for m in group.members]
+    assert torch.equal(attention.k_proj(x), alone[1])  # any member first: the group is computed
+    assert torch.equal(attention.q_proj(x), alone[0]) and torch.equal(attention.v_proj(x), alone[2])
+    attention.q_proj(x)
+    assert torch.equal(attention.k_proj(other), quant.linear(group._module, other, group.members[1].packed,
+                                                             group.members[1].bias))  # fmt: skip
+    ids = torch.tensor([[1, 5, 6, 7, 3, 4, 9, 10]])
+    with torch.no_grad():
+        grouped = model(ids).logits
+        for layer in model.modules():
+            if isinstance(layer, gguf_weights.QuantizedLinear):
+                layer.siblings = None
+        assert torch.equal(model(ids).logits, grouped)

@@ -159,12 +159,15 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._module = module
+        self.siblings: SiblingGroup | None = None
 
     @property
     def format(self) -> str:
         return self.packed.format.name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(self, x)
         return quant.linear(self._module, x, self.packed, self.bias)
 
     def dense(self) -> torch.Tensor:
@@ -173,6 +176,58 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # called in turn on one input
+
+
+class SiblingGroup:
+    """Quantized layers of one block that transformers calls one after another on the same input
+    (the q, k and v projections; gate and up): the first call computes them all in one kernel call
+    and the others take their result. A step then pays one call's fixed cost per group, and the
+    small k and v matrices share the threads with q. Each result is the same bits as a call of its
+    own; a call on any other input computes the group afresh."""
+
+    def __init__(self, members: list[QuantizedLinear], module: Any):
+        self.members = members
+        self._module = module
+        self._input: torch.Tensor | None = None  # held, so no other tensor can take its identity
+        self._version: int | None = None
+        self._ready: dict[int, torch.Tensor] = {}
+
+    def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        at = next(i for i, m in enumerate(self.members) if m is member)
+        if x is self._input and _version(x) == self._version and at in self._ready:
+            out = self._ready.pop(at)
+            if not self._ready:
+                self._input = None
+            return out
+        outs = quant.linear_group(self._module, x, [m.packed for m in self.members], [m.bias for m in self.members])
+        self._input, self._version = x, _version(x)
+        self._ready = {i: out for i, out in enumerate(outs) if i != at}
+        return outs[at]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s in-place version counter (None for inference tensors, which keep none)."""
+    return None if x.is_inference() else x._version
+
+
+def group_siblings(model: nn.Module) -> int:
+    """Join each block's quantized sibling layers (:data:`SIBLINGS`) into a :class:`SiblingGroup`;
+    returns how many groups were formed."""
+    formed = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            members = [m for m in members if isinstance(m, QuantizedLinear)]
+            if len(members) < 2 or len({m.in_features for m in members}) > 1:
+                continue
+            group = SiblingGroup(members, members[0]._module)
+            for member in members:
+                member.siblings = group
+            formed += 1
+    return formed
 
 
 class QuantizedEmbedding(nn.Module):
@@ -238,6 +293,7 @@ class QuantizedReport:
     embedding: str | None = None
     dequantized: list[str] = field(default_factory=list)
     weight_bytes: int = 0
+    sibling_groups: int = 0  # q/k/v and gate/up layers computed a group to a call
 
     def describe(self) -> str:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(self.layers.items()))
@@ -287,6 +343,7 @@ def quantize_model(model: nn.Module, converted: Path, isa: str | None = None) ->
         report.layers[kind] = report.layers.get(kind, 0) + 1
     for name, new in swaps:
         model.set_submodule(name, new)
+    report.sibling_groups = group_siblings(model)
     report.dequantized = sorted(left)
     _give_back_freed_memory()
     return report
@@ -309,7 +366,9 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "QuantizedReport",
+    "SiblingGroup",
     "extract_blocks",
+    "group_siblings",
     "has_blocks",
     "quantize_model",
     "BlockFile",
