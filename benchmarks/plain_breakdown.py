@@ -122,6 +122,9 @@ def layer_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
 
 def weight_bytes(linear: torch.nn.Module) -> int:
     """The bytes a one-token forward of ``linear`` reads: its weight matrix (packed or not) in its dtype."""
+    blocks = getattr(linear, "packed", None)  # a layer on a GGUF file's own blocks
+    if blocks is not None:
+        return blocks.nbytes()
     weight = getattr(linear, "packed_weight", None)
     if weight is None:
         weight = linear.weight
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="none, gguf (the file's own blocks) or auto")
     ap.add_argument("--modes", default="off,on", help="exact mode off and/or on")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
     found, shapes = {}, {}
     for mode in modes:
-        spec = speculum.load(args.model, dtype=args.dtype, exact=mode == "on")
+        spec = speculum.load(args.model, dtype=args.dtype, exact=mode == "on", quantization=args.quantization)
         shapes = shapes or layer_shapes(spec.model)
         ids = prompts(spec, args.prompts)
         found[mode] = breakdown(spec, ids, args.max_new_tokens)
@@ -287,7 +291,7 @@ def report(
     weights = sum(first["bytes"].values())
     read_rate = max(read_rates)
     lines = [
-        f"# Plain decoding, step by step ({args.model}, {args.dtype})",
+        f"# Plain decoding, step by step ({args.model}, {args.dtype}, quantization {args.quantization})",
         "",
         f"- command: `{shlex.join(['python', 'benchmarks/plain_breakdown.py', *(argv or sys.argv[1:])])}`",
         f"- date: {now_iso()}",
