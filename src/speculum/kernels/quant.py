@@ -5,12 +5,14 @@ compiles).
 A call quantizes each row of ``x`` to int8 per 32 values (scale max|x| / 127, round half to even;
 llama.cpp quantizes per 256 for K-quants, a coarser model of the file), takes exact integer dot
 products per 32 and adds them up in one fixed float order, so every row's bits are the same whatever
-else is in the call. Built with AVX-512 VNNI where the CPU has it (``isa="avx512vnni"``), else in portable C++.
+else is in the call. Built with AVX-512 VNNI where the CPU has it (``isa="avx512vnni"``), else with AVX2
+(``"avx2"``), else in portable C++: the same bits from each.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,21 +30,36 @@ UNIT = 32  # activation values per int8 scale
 _SOURCE = Path(__file__).with_name("quant_rows.cpp")
 _FLAGS = {
     "avx512vnni": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
     "portable": ["-O3", "-ffp-contract=off", "-fopenmp"],
 }
+_NEEDS = {"avx512vnni": {"avx512_vnni", "avx512bw"}, "avx2": {"avx2", "fma"}, "portable": set()}
+
+
+def runnable_isas() -> list[str]:
+    """The builds this CPU can run, fastest first ("avx512vnni", "avx2", "portable")."""
+    flags = machine.cpu_flags()
+    return [isa for isa, needs in _NEEDS.items() if needs <= flags]
 
 
 def native_isa() -> str:
-    """The build this CPU runs fastest: "avx512vnni" where it has AVX-512 VNNI, else "portable"."""
-    flags = machine.cpu_flags()
-    return "avx512vnni" if {"avx512_vnni", "avx512bw"} <= flags else "portable"
+    """The build this CPU runs fastest: "avx512vnni" where it has AVX-512 VNNI, "avx2" where it has
+    AVX2 and FMA, else "portable"."""
+    return runnable_isas()[0]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernel's source: measured costs and choices made on one kernel are keyed by it."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
 def load(isa: str | None = None) -> ModuleType:
     """The compiled quantized kernel for ``isa`` (default: :func:`native_isa`), built on first use."""
     isa = isa or native_isa()
-    return build(f"speculum_quant_rows_{isa}", _SOURCE, _FLAGS[isa], "quantized row kernel")
+    # the source's digest in the name: a failed rebuild can never leave an older build loaded
+    return build(f"speculum_quant_rows_{isa}_{source_digest()[:8]}", _SOURCE, _FLAGS[isa], "quantized row kernel")
 
 
 @dataclass

@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -83,49 +83,169 @@ inline int code_at(const Layer& L, int64_t nb, int lane, int64_t k) {
   return q;
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Sixteen lanes (one per output column of a block) in one 512-bit register.
+namespace simd {
+constexpr bool kWide = true;  // 32 registers: tiles of up to 8 rows
+using Bytes = __m512i;        // a code vector: 4 codes per lane
+using Ints = __m512i;
+using Floats = __m512;
+inline Bytes load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline Bytes low_nibbles(Bytes v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline Bytes high_nibbles(Bytes v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline Bytes add_where(Bytes v, uint64_t mask, int value) {  // value added to the bytes whose mask bit is set
+  return _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(char(value)));
+}
+inline Ints zero() { return _mm512_setzero_si512(); }
+// acc + each lane's 4 codes times the 4 activations of quad (unsigned codes, signed activations)
+inline Ints dot(Ints acc, Bytes codes, int32_t quad) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(quad)); }
+Ints signed_dot(Ints acc, Bytes codes, int32_t quad);  // never used: vpdpbusd has no int16 step to saturate
+inline Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
+inline Ints sub(Ints a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline Ints mul(Ints a, Ints b) { return _mm512_mullo_epi32(a, b); }
+inline Ints load_int8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline Floats to_float(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Floats load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline Floats mul(float a, Floats b) { return _mm512_mul_ps(_mm512_set1_ps(a), b); }
+inline Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline Floats fma(Floats a, float b, Floats c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
+}  // namespace simd
+#define SPECULUM_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// Sixteen lanes in two 256-bit registers; the 4-code dot product is vpmaddubsw (pairs to int16: at
+// most 2 * 63 * 127, no saturation for codes of up to 6 bits) then vpmaddwd (pairs to int32).
+namespace simd {
+constexpr bool kWide = false;  // 16 registers: tiles of up to 2 rows
+struct Bytes {
+  __m256i lo, hi;
+};
+struct Ints {
+  __m256i lo, hi;
+};
+struct Floats {
+  __m256 lo, hi;
+};
+inline Bytes load_bytes(const uint8_t* p) {
+  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
+}
+inline __m256i nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline Bytes low_nibbles(Bytes v) { return {nibbles(v.lo), nibbles(v.hi)}; }
+inline Bytes high_nibbles(Bytes v) { return {nibbles(_mm256_srli_epi16(v.lo, 4)), nibbles(_mm256_srli_epi16(v.hi, 4))}; }
+inline __m256i add_where(__m256i v, uint32_t mask, int value) {
+  const __m256i select = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bits = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(mask)), select), bits);
+  return _mm256_add_epi8(v, _mm256_and_si256(_mm256_cmpeq_epi8(spread, bits), _mm256_set1_epi8(char(value))));
+}
+inline Bytes add_where(Bytes v, uint64_t mask, int value) {
+  return {add_where(v.lo, uint32_t(mask), value), add_where(v.hi, uint32_t(mask >> 32), value)};
+}
+inline Ints zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i dot(__m256i acc, __m256i codes, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+}
+inline Ints dot(Ints acc, Bytes codes, int32_t quad) {
+  const __m256i x = _mm256_set1_epi32(quad);
+  return {dot(acc.lo, codes.lo, x), dot(acc.hi, codes.hi, x)};
+}
+// The same sum for 8-bit codes c (which could saturate int16): (c - 128) . x, as |c - 128| times
+// x with c - 128's sign; the caller then leaves out the offset it would subtract.
+inline __m256i signed_dot(__m256i acc, __m256i codes, __m256i x) {
+  const __m256i w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+  const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+}
+inline Ints signed_dot(Ints acc, Bytes codes, int32_t quad) {
+  const __m256i x = _mm256_set1_epi32(quad);
+  return {signed_dot(acc.lo, codes.lo, x), signed_dot(acc.hi, codes.hi, x)};
+}
+inline Ints add(Ints a, Ints b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline Ints sub(Ints a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+}
+inline Ints mul(Ints a, Ints b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+inline Ints load_int8(const int8_t* p) {
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)))};
+}
+inline Floats to_float(Ints v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline Floats load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Floats v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline Floats zero_floats() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Floats mul(float a, Floats b) {
+  const __m256 v = _mm256_set1_ps(a);
+  return {_mm256_mul_ps(v, b.lo), _mm256_mul_ps(v, b.hi)};
+}
+inline Floats fma(Floats a, Floats b, Floats c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Floats fma(Floats a, float b, Floats c) {
+  const __m256 v = _mm256_set1_ps(b);
+  return {_mm256_fmadd_ps(a.lo, v, c.lo), _mm256_fmadd_ps(a.hi, v, c.hi)};
+}
+}  // namespace simd
+#define SPECULUM_SIMD 1
+#endif
+
+#if defined(SPECULUM_SIMD)
+// 8-bit codes take signed_dot where the build has one (the offset is then already in the sum).
+template <class F>
+constexpr bool kSignedDot = F::BITS == 8 && !simd::kWide;
+
 // Code vectors t of column block nb (k = 8t .. 8t+7): lo holds k = 8t..8t+3, hi k = 8t+4..8t+7.
 template <class F>
-inline void unpack(const Layer& L, int64_t nb, int64_t t, __m512i& lo, __m512i& hi) {
+inline void unpack(const Layer& L, int64_t nb, int64_t t, simd::Bytes& lo, simd::Bytes& hi) {
   if constexpr (F::BITS == 8) {
     const uint8_t* src = L.codes + (nb * (L.K / 4) + 2 * t) * 64;
     _mm_prefetch((const char*)(src + 2 * kAhead * 64), _MM_HINT_T0);
     _mm_prefetch((const char*)(src + (2 * kAhead + 1) * 64), _MM_HINT_T0);
-    lo = _mm512_loadu_si512(src);
-    hi = _mm512_loadu_si512(src + 64);
+    lo = simd::load_bytes(src);
+    hi = simd::load_bytes(src + 64);
   } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
     const int64_t at = nb * (L.K / 8) + t;
     _mm_prefetch((const char*)(L.codes + (at + kAhead) * 64), _MM_HINT_T0);
-    const __m512i v = _mm512_loadu_si512(L.codes + at * 64);
-    lo = _mm512_and_si512(v, low);
-    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const simd::Bytes v = simd::load_bytes(L.codes + at * 64);
+    lo = simd::low_nibbles(v);
+    hi = simd::high_nibbles(v);
     for (int p = 0; p < F::BITS - 4; ++p) {
-      const __m512i bit = _mm512_set1_epi8(char(1 << (4 + p)));
-      lo = _mm512_mask_add_epi8(lo, L.high[(at * 2) * (F::BITS - 4) + p], lo, bit);
-      hi = _mm512_mask_add_epi8(hi, L.high[(at * 2 + 1) * (F::BITS - 4) + p], hi, bit);
+      lo = simd::add_where(lo, L.high[(at * 2) * (F::BITS - 4) + p], 1 << (4 + p));
+      hi = simd::add_where(hi, L.high[(at * 2 + 1) * (F::BITS - 4) + p], 1 << (4 + p));
     }
   }
 }
 
-inline __m512i broadcast4(const int8_t* x) {
+inline int32_t quad_at(const int8_t* x) {
   int32_t quad;
   std::memcpy(&quad, x, 4);
-  return _mm512_set1_epi32(quad);
+  return quad;
+}
+
+template <class F>
+inline simd::Ints dot(simd::Ints acc, simd::Bytes codes, int32_t quad) {
+  if constexpr (kSignedDot<F>) return simd::signed_dot(acc, codes, quad);
+  return simd::dot(acc, codes, quad);
 }
 
 // Units u0..u1 for rows r0..r0+R and column blocks nb0..nb0+NL, added into out (row stride ld).
-// R x NL independent dot-product chains keep the VNNI unit busy at one row as at many.
+// R x NL independent dot-product chains keep the multiply unit busy at one row as at many.
 template <class F, int R, int NL>
 inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t u1, int64_t r0, float* out,
                  int64_t ld) {
+  using namespace simd;
   constexpr int H = kUnit / F::G, PAIRS = F::G / 8;  // sub-blocks per unit, code vector pairs per sub-block
-  constexpr bool SPLIT = R * NL <= 2;                 // two chains per tile where too few would wait on latency
+  constexpr bool SPLIT = kWide && R * NL <= 2;        // two chains per tile where too few would wait on latency
   static_assert(!F::TWO || F::G == kUnit, "two-scale types keep one sub-block per unit");
   const int64_t nU = L.K / kUnit, nG = L.K / F::G, nS = L.K / F::S;
-  __m512 y[R][NL];
+  Floats y[R][NL];
   for (int r = 0; r < R; ++r)
-    for (int l = 0; l < NL; ++l) y[r][l] = _mm512_loadu_ps(out + (r0 + r) * ld + (nb0 + l) * 16);
+    for (int l = 0; l < NL; ++l) y[r][l] = load(out + (r0 + r) * ld + (nb0 + l) * 16);
   for (int64_t u = u0; u < u1; ++u) {
     for (int l = 0; l < NL; ++l) {  // the scales' streams too: the hardware prefetcher tracks few
       if (F::HAS_A) _mm_prefetch((const char*)(L.a + ((nb0 + l) * nG + (u + 4) * H) * 16), _MM_HINT_T0);
@@ -135,62 +255,58 @@ inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t
         if (F::TWO) _mm_prefetch((const char*)(L.B + ((nb0 + l) * nS + u * kUnit / F::S + 2) * 16), _MM_HINT_T0);
       }
     }
-    __m512i d[R][NL];
+    Ints d[R][NL];
     for (int h = 0; h < H; ++h) {
       const int64_t g = u * H + h;
-      __m512i part[R][NL], second[R][NL];
+      Ints part[R][NL], second[R][NL];
       for (int r = 0; r < R; ++r)
-        for (int l = 0; l < NL; ++l) part[r][l] = second[r][l] = _mm512_setzero_si512();
+        for (int l = 0; l < NL; ++l) part[r][l] = second[r][l] = zero();
       for (int t = 0; t < PAIRS; ++t) {
-        __m512i lo[NL], hi[NL];
+        Bytes lo[NL], hi[NL];
         for (int l = 0; l < NL; ++l) unpack<F>(L, nb0 + l, g * PAIRS + t, lo[l], hi[l]);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = X.xq + (r0 + r) * L.K + g * F::G + 8 * t;
-          const __m512i x0 = broadcast4(x), x1 = broadcast4(x + 4);
+          const int32_t x0 = quad_at(x), x1 = quad_at(x + 4);
           for (int l = 0; l < NL; ++l) {
             if constexpr (SPLIT) {
-              part[r][l] = _mm512_dpbusd_epi32(part[r][l], lo[l], x0);
-              second[r][l] = _mm512_dpbusd_epi32(second[r][l], hi[l], x1);
+              part[r][l] = dot<F>(part[r][l], lo[l], x0);
+              second[r][l] = dot<F>(second[r][l], hi[l], x1);
             } else {
-              part[r][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[r][l], lo[l], x0), hi[l], x1);
+              part[r][l] = dot<F>(dot<F>(part[r][l], lo[l], x0), hi[l], x1);
             }
           }
         }
       }
       if constexpr (SPLIT)  // integer sums: the split changes no bit
         for (int r = 0; r < R; ++r)
-          for (int l = 0; l < NL; ++l) part[r][l] = _mm512_add_epi32(part[r][l], second[r][l]);
+          for (int l = 0; l < NL; ++l) part[r][l] = add(part[r][l], second[r][l]);
       for (int l = 0; l < NL; ++l) {
-        __m512i a = _mm512_setzero_si512();
-        if constexpr (!F::TWO && F::HAS_A)
-          a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(L.a + ((nb0 + l) * nG + g) * 16)));
+        Ints a = zero();
+        if constexpr (!F::TWO && F::HAS_A) a = load_int8(L.a + ((nb0 + l) * nG + g) * 16);
         for (int r = 0; r < R; ++r) {
-          __m512i p = part[r][l];
-          if constexpr (!F::TWO) p = _mm512_sub_epi32(p, _mm512_set1_epi32(X.sums[(r0 + r) * nG + g]));
-          if constexpr (!F::TWO && F::HAS_A) p = _mm512_mullo_epi32(p, a);
-          d[r][l] = h == 0 ? p : _mm512_add_epi32(d[r][l], p);
+          Ints p = part[r][l];
+          if constexpr (!F::TWO && !kSignedDot<F>) p = sub(p, X.sums[(r0 + r) * nG + g]);
+          if constexpr (!F::TWO && F::HAS_A) p = mul(p, a);
+          d[r][l] = h == 0 ? p : add(d[r][l], p);
         }
       }
     }
     for (int l = 0; l < NL; ++l) {
       const int64_t nb = nb0 + l, s = u * kUnit / F::S;
-      __m512 scale = _mm512_loadu_ps(L.A + (nb * nS + s) * 16), low = _mm512_setzero_ps();
-      if constexpr (F::TWO) low = _mm512_loadu_ps(L.B + (nb * nS + s) * 16);
+      Floats scale = load(L.A + (nb * nS + s) * 16), low = zero_floats();
+      if constexpr (F::TWO) low = load(L.B + (nb * nS + s) * 16);
       if constexpr (F::TWO && F::HAS_A) {
-        const __m128i a = _mm_loadu_si128((const __m128i*)(L.a + (nb * nG + u) * 16));
-        const __m128i b = _mm_loadu_si128((const __m128i*)(L.b + (nb * nG + u) * 16));
-        scale = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
-        low = _mm512_mul_ps(low, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+        scale = mul(scale, to_float(load_int8(L.a + (nb * nG + u) * 16)));
+        low = mul(low, to_float(load_int8(L.b + (nb * nG + u) * 16)));
       }
       for (int r = 0; r < R; ++r) {
-        const __m512 dxs = _mm512_mul_ps(_mm512_set1_ps(X.dx[(r0 + r) * nU + u]), scale);
-        y[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][l]), dxs, y[r][l]);
-        if constexpr (F::TWO) y[r][l] = _mm512_fmadd_ps(low, _mm512_set1_ps(X.mins[(r0 + r) * nU + u]), y[r][l]);
+        y[r][l] = fma(to_float(d[r][l]), mul(X.dx[(r0 + r) * nU + u], scale), y[r][l]);
+        if constexpr (F::TWO) y[r][l] = fma(low, X.mins[(r0 + r) * nU + u], y[r][l]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + (r0 + r) * ld + (nb0 + l) * 16, y[r][l]);
+    for (int l = 0; l < NL; ++l) store(out + (r0 + r) * ld + (nb0 + l) * 16, y[r][l]);
 }
 #else
 // The same integer sums and float steps in portable C++, one lane at a time.
@@ -233,11 +349,17 @@ inline void tile(const Layer& L, const Rows& X, int64_t nb0, int64_t u0, int64_t
 }
 #endif
 
+#if defined(SPECULUM_SIMD)
+constexpr int kTileRows = simd::kWide ? 8 : 2;  // rows a tile's registers hold
+#else
+constexpr int kTileRows = 8;
+#endif
+
 // Every row of x through column blocks nb0..nb0+NL, a chunk of units at a time: a chunk's codes are
 // read from memory once and from L1 by the later row tiles.
 template <class F, int NL>
 void columns(const Layer& L, const Rows& X, int64_t M, int64_t nb0, float* out, int64_t ld) {
-  constexpr int RMAX = NL == 1 ? 8 : NL == 2 ? 2 : 1;
+  constexpr int RMAX = NL == 1 ? kTileRows : NL == 2 ? 2 : 1;
   const int64_t nU = L.K / kUnit;
   for (int64_t u0 = 0; u0 < nU; u0 += kChunk) {
     const int64_t u1 = std::min(nU, u0 + kChunk);

@@ -6,8 +6,8 @@ model would otherwise run (``dtype`` as chosen, prepacked where ``load`` prepack
 plain decode step) and at five (a verification), interleaved, the fastest of a few repetitions kept.
 The GGUF's blocks are chosen when their mean over the two is faster. Cached per machine, software,
 threads and model (``<cache>/dtype/quant-*.json``); a measurement taken while the CPU was busy is
-provisional and taken again at rest (:func:`speculum.machine.measured`). Without AVX-512 VNNI the
-kernel's portable build is far slower than the de-quantized weights' kernels: not measured there.
+provisional and taken again at rest (:func:`speculum.machine.measured`). Without AVX-512 VNNI or
+AVX2 the kernel's portable build is far slower than the de-quantized weights' kernels: not measured there.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def choose_quantization(converted: Path | None, dtype: torch.dtype, prepack: boo
     if not blocks.formats:
         return QuantizationChoice("none", "auto: the file holds no quantized matrix")
     if quant.native_isa() == "portable":
-        return QuantizationChoice("none", "auto: this CPU has no AVX-512 VNNI for the quantized kernel")
+        return QuantizationChoice("none", "auto: this CPU has neither AVX-512 VNNI nor AVX2 for the quantized kernel")
     key = _cache_key(converted, blocks, dtype, prepack)
     try:
         verdict = machine.measured(
@@ -99,6 +99,7 @@ def _cache_key(converted: Path, blocks: BlockFile, dtype: torch.dtype, prepack: 
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "kernel": quant.native_isa(),
+        "source": quant.source_digest(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
