@@ -36,6 +36,7 @@ from speculum import machine
 from speculum.accel import dense_rows, min_rows
 from speculum.cache import crop
 from speculum.errors import SpeculumError
+from speculum.kernels import quant
 from speculum.tree import TokenTree
 
 log = logging.getLogger("speculum")
@@ -303,7 +304,8 @@ def machine_key(runner, *, padding: bool = True) -> str:
     """What a measured curve depends on: the model's shape and dtype, its attention implementation,
     whether its LM head runs lazily, whether it is prepacked (on speculum's row kernel or oneDNN, its
     small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
-    itself), the linear layers exact mode pads, the GGUF block types computed as they are, the device, threads, the CPU
+    itself), the linear layers exact mode pads, the GGUF block types computed as they are (and the kernel's
+    source), the device, threads, the CPU
     (:func:`speculum.machine.cpu_identity`) and library versions."""
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -329,7 +331,7 @@ def machine_key(runner, *, padding: bool = True) -> str:
         + (f",dense={dense_rows(model)}" if padding and dense_rows(model) else "")
         + (",kernel=rows" if any(getattr(m, "kernel", "") == "rows" for m in model.modules()) else "")
         + (f",exact_padded={exact_padded}" if (exact_padded := _exact_padded(model)) else "")
-        + (f",gguf={quantized}" if (quantized := _gguf_formats(model)) else ""),
+        + (f",gguf={quantized}@{quant.source_digest()}" if (quantized := _gguf_formats(model)) else ""),
         str(device),
         f"threads={torch.get_num_threads()}",
         accelerator,
