@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", default="gemma-3-270m")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none", help="none, gguf (the file's own blocks) or auto")
     ap.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes B")
     ap.add_argument("--methods", default="autoregressive,prompt_lookup,anpd")
     ap.add_argument("--datasets", default="humaneval,gsm8k,mt_bench,wmt16")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     import speculum
 
     exact = {"on": True, "off": False}.get(args.exact, args.exact)
-    spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype, exact=exact)
+    spec = speculum.load(args.model, draft=args.draft, dtype=args.dtype, exact=exact, quantization=args.quantization)
     pool = prompt_pool(spec, args)
     if args.child is not None:
         return child(spec, pool, json.loads(args.child))
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             single[i] = spec.generate(pool[i], "autoregressive", max_new_tokens=n).token_ids
         return single[i]
 
-    spec.generate(pool[:2], "autoregressive", max_new_tokens=8)  # warm-up (first forwards, cost model)
+    for method in ["autoregressive", *methods]:  # warm-up (first forwards, cost models, a draft's first load)
+        spec.generate(pool[:2], method, max_new_tokens=8)
     hf_generate(spec, pool[:2], 8)
     totals: dict[tuple[int, str], list[float]] = {}  # (B, method) -> [tokens, seconds, identical, rows]
     mismatches: list[tuple[int, str, int, list[int], list[int]]] = []  # (B, method, prompt, single, batched)
@@ -158,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- date: {now_iso()}",
         f"- machine: {mach.get('cpu')}, {torch.get_num_threads()} threads; torch {mach.get('torch')}, "
         f"transformers {mach.get('transformers')}",
-        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f"; {spec.runner.dtype}; "
-        f"{args.groups} batches per B from {len(pool)} prompts ({args.datasets}); greedy, up to {n} new tokens, "
+        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f"; {spec.runner.dtype}, "
+        f"quantization {args.quantization}; {args.groups} batches per B from {len(pool)} prompts ({args.datasets}); "
+        f"greedy, up to {n} new tokens, "
         "stopping at EOS",
         "- tokens/s is the aggregate over the batch's rows; ratios are to `hf_generate` and to batched "
         "`autoregressive` at the same B; identical: rows equal to their single-request output",
@@ -295,8 +298,9 @@ def fresh_main(args, argv: list[str] | None) -> int:
         f"- date: {now_iso()}",
         f"- machine: {mach.get('cpu')} (flags {mach.get('cpu_flags')}), {torch.get_num_threads()} threads; "
         f"torch {mach.get('torch')}, transformers {mach.get('transformers')}; commit {git_commit()}",
-        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f", dtype {args.dtype}; "
-        f"{args.groups} batch(es) per B; greedy, up to {args.max_new_tokens} new tokens, stopping at EOS",
+        f"- model: `{args.model}`" + (f", draft `{args.draft}`" if args.draft else "") + f", dtype {args.dtype}, "
+        f"quantization {args.quantization}; {args.groups} batch(es) per B; greedy, up to {args.max_new_tokens} "
+        "new tokens, stopping at EOS",
         f"- tokens/s is the aggregate over the batch's rows; identical: rows equal to batched `{methods[0]}`'s",
         "",
         f"| B | method | tokens/s | × `{methods[0]}` | identical |",
