@@ -1,6 +1,7 @@
 """Exact mode (speculum.exact): in bfloat16, greedy output of every method equals plain bfloat16
 decoding, a seeded sampled text equals plain seeded sampling, and a batched row equals its prompt
-alone, on the five tiny architectures.
+alone, on the five tiny architectures, with short queries' attention on speculum's kernel and in
+float64.
 
 The tiny models' LM heads are flattened so that near-ties are common: without exact mode these
 comparisons part on some prompts in bfloat16 (float32 keeps them apart)."""
@@ -37,19 +38,33 @@ def prompts():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def both_attention_paths():
+def short_and_long_queries():
     """Queries of the tiny models' texts see 20 to 60 keys: with 40 as the line, every text crosses from
-    the float64 attention to one call per query mid-way."""
+    the short queries' computation to one call per query mid-way."""
     from speculum import exact_attention
 
-    line = exact_attention.FLOAT64_KEYS
-    exact_attention.FLOAT64_KEYS = 40
+    line = exact_attention.SHORT_KEYS
+    exact_attention.SHORT_KEYS = 40
     yield
-    exact_attention.FLOAT64_KEYS = line
+    exact_attention.SHORT_KEYS = line
+
+
+@pytest.fixture(scope="module", params=["kernel", "float64"])
+def attention_path(request):
+    """Every test here runs on both computations of short queries' attention: speculum's kernel (the
+    widest build this CPU runs) and float64 SDPA (what CPUs without AVX-512 run)."""
+    from speculum.kernels import attention
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(attention.ENV, request.param)
+        attention.kernel.cache_clear()
+        assert (attention.kernel() is not None) == (request.param == "kernel")
+        yield request.param
+    attention.kernel.cache_clear()
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def exact_arch(request, tmp_path_factory):
+def exact_arch(request, attention_path, tmp_path_factory):
     model = near_tie_model(request.param)
     draft = perturbed_copy(model, 0.4)
     path = tmp_path_factory.mktemp(request.param)
@@ -222,15 +237,15 @@ def _alone(query, key, value, b, j, columns, groups, scaling):
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_a_query_attends_as_it_would_alone(monkeypatch, mask_kind, groups):
+def test_a_query_attends_as_it_would_alone(monkeypatch, attention_path, mask_kind, groups):
     """Every query of a forward (a chain, a tree, batch rows with leftover columns) gets the same bits
-    as the same query alone over exactly the keys it sees, in order, on both sides of FLOAT64_KEYS;
-    and that is attention (close to stock SDPA in float32)."""
+    as the same query alone over exactly the keys it sees, in order, on both sides of SHORT_KEYS,
+    on the kernel and in float64; and that is attention (close to stock SDPA in float32)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from speculum import exact_attention
 
-    monkeypatch.setattr(exact_attention, "FLOAT64_KEYS", 16)
+    monkeypatch.setattr(exact_attention, "SHORT_KEYS", 16)
     gen = torch.Generator().manual_seed(groups)
     rows, queries, columns, heads = 3, 6, 20, 2 * groups
     q = torch.randn(rows, heads, queries, 16, generator=gen).bfloat16()

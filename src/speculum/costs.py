@@ -36,6 +36,8 @@ from speculum import machine
 from speculum.accel import dense_rows, min_rows
 from speculum.cache import crop
 from speculum.errors import SpeculumError
+from speculum.exact import EXACT_ATTENTION
+from speculum.kernels import attention as attention_kernel
 from speculum.kernels import quant
 from speculum.tree import TokenTree
 
@@ -301,7 +303,8 @@ def _gguf_formats(model) -> list[str]:
 
 
 def machine_key(runner, *, padding: bool = True) -> str:
-    """What a measured curve depends on: the model's shape and dtype, its attention implementation,
+    """What a measured curve depends on: the model's shape and dtype, its attention implementation
+    (exact mode's: on speculum's kernel or in float64),
     whether its LM head runs lazily, whether it is prepacked (on speculum's row kernel or oneDNN, its
     small forwards padded or on the stock kernel, unless ``padding=False``: the key of that decision
     itself), the linear layers exact mode pads, the GGUF block types computed as they are (and the kernel's
@@ -315,6 +318,7 @@ def machine_key(runner, *, padding: bool = True) -> str:
                   "num_key_value_heads", "vocab_size", "head_dim")
     }  # fmt: skip
     packed = any(type(m).__name__ != "Linear" and "Linear" in type(m).__name__ for m in model.modules())
+    attention = getattr(model.config, "_attn_implementation", None)
     device = runner.input_device
     if device.type == "cuda":
         accelerator = torch.cuda.get_device_name(device)
@@ -324,7 +328,7 @@ def machine_key(runner, *, padding: bool = True) -> str:
         f"version={VERSION}",
         json.dumps(shape, sort_keys=True),
         str(runner.dtype),
-        f"attention={getattr(model.config, '_attn_implementation', None)}",
+        f"attention={attention}" + (f"@{attention_kernel.implementation()}" if attention == EXACT_ATTENTION else ""),
         f"lazy_head={getattr(runner, 'lazy_head', None)}",
         f"packed={packed}"
         + (f",rows={min_rows(model)}" if padding and min_rows(model) > 1 else "")

@@ -33,6 +33,7 @@ from transformers.masking_utils import sdpa_mask
 from speculum import exact_attention
 from speculum.errors import InvalidInputError
 from speculum.exact_attention import exact_attention_forward, in_prefill, whole_rows
+from speculum.kernels import attention as attention_kernel
 
 __all__ = ["ExactChoice", "make_exact", "make_linears_exact", "min_invariant_rows", "wants_exact", "whole_rows"]
 
@@ -55,7 +56,8 @@ class ExactChoice:
     rows, how many layers) for the layers whose smaller calls are padded to that many rows.
     ``guaranteed``: every linear layer measured row-count invariant in the way chosen (False: this
     CPU's kernels round a row by its neighbours, so texts can still part at near-ties).
-    ``row_kernel``: every linear layer runs on speculum's row kernel, whole calls (no pieces needed)."""
+    ``row_kernel``: every linear layer runs on speculum's row kernel, whole calls (no pieces needed).
+    ``short_attention``: "kernel" (speculum's attention kernel) or "float64" (see exact_attention)."""
 
     enabled: bool
     reason: str
@@ -63,6 +65,7 @@ class ExactChoice:
     padded: tuple[tuple[str, int, int], ...] = ()
     guaranteed: bool = True
     row_kernel: bool = False
+    short_attention: str = "float64"  # how queries that see at most SHORT_KEYS keys are computed
 
     def describe(self) -> str:
         if not self.enabled:
@@ -74,7 +77,8 @@ class ExactChoice:
         if self.padded:
             linears += "; " + ", ".join(f"{count} {kind} padded to {rows} rows" for kind, rows, count in self.padded)
         warning = "" if self.guaranteed else "; NOT guaranteed: this CPU's linear kernels round rows by row count"
-        attention = f"attention per query (float64 up to {exact_attention.FLOAT64_KEYS} keys, else one call each)"
+        short = "speculum's kernel" if self.short_attention == "kernel" else "float64"
+        attention = f"attention per query ({short} up to {exact_attention.SHORT_KEYS} keys, else one call each)"
         return f"exact: on ({self.reason}): {attention}, {linears}{warning}"
 
 
@@ -186,7 +190,11 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
     padded, guaranteed = make_linears_exact(model)
     kernels = [getattr(linear, "kernel", "") for _, linear in _linear_modules(model)]
     row_kernel = bool(kernels) and all(kernel == "rows" for kernel in kernels)
-    choice = ExactChoice(True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed, row_kernel=row_kernel)
+    on_kernel = model.dtype in attention_kernel.DTYPES and attention_kernel.kernel() is not None
+    choice = ExactChoice(
+        True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed, row_kernel=row_kernel,
+        short_attention="kernel" if on_kernel else "float64",
+    )  # fmt: skip
     if not guaranteed:
         logger.warning("speculum: %s", choice.describe())
     model._speculum_exact = choice

@@ -4,12 +4,17 @@ sees, in their order, whatever else the forward carries (other queries, tree nod
 A query that sees ``n`` keys takes one of two computations, chosen by ``n`` alone (a position sees
 as many keys in plain decoding as in a verification or a batch, so every layout chooses alike):
 
-- ``n <= FLOAT64_KEYS``: SDPA in float64, batched over every such query of the forward, each key/value
-  head's query heads folded into its queries. The kernel's order of summation depends on the batch,
-  the mask and where the keys sit in the cache, but in float64 that changes the last of 53 bits,
-  and rounding to bfloat16 (8 bits) or float16 (11) drops it: an output differs only where the exact
-  value lies within ~1e-13 of a rounding boundary.
-- ``n > FLOAT64_KEYS``: the model dtype's own SDPA kernel on that query alone over exactly its keys
+- ``n <= SHORT_KEYS``, on CPUs with AVX-512 (float32, bfloat16 and float16 models): speculum's
+  attention kernel (:mod:`speculum.kernels.attention`), one call for every such query of the forward,
+  each query in one fixed order of float32 operations over exactly its keys: the same bits in every
+  layout by construction.
+- ``n <= SHORT_KEYS`` elsewhere (float64 models, AVX2 CPUs, no compiler,
+  ``SPECULUM_EXACT_ATTENTION=float64``): SDPA in float64, batched over every such query of the
+  forward, each key/value head's query heads folded into its queries. SDPA's order of summation
+  depends on the batch, the mask and where the keys sit in the cache, but in float64 that changes
+  the last of 53 bits, and rounding to bfloat16 (8 bits) or float16 (11) drops it: an output
+  differs only where the exact value lies within ~1e-13 of a rounding boundary.
+- ``n > SHORT_KEYS``: the model dtype's own SDPA kernel on that query alone over exactly its keys
   (a view of the cache, or its keys gathered in order for a tree): the very call plain decoding
   makes at that position, so the same bits by construction. One call per query, but no float64
   copy of a long cache (4x the bytes of bfloat16 to read every step).
@@ -28,7 +33,9 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-FLOAT64_KEYS = 512  # queries that see at most this many keys take float64 attention
+from speculum.kernels import attention as attention_kernel
+
+SHORT_KEYS = 512  # queries that see at most this many keys take the kernel (or float64), in one call
 
 _WHOLE_ROWS = contextvars.ContextVar("speculum_exact_whole_rows", default=False)
 
@@ -58,6 +65,13 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     batch, heads, queries, _ = query.shape
     plan = _plan(attention_mask, batch, queries, key.shape[2], getattr(module, "is_causal", True), query.device)
     scaling = kwargs.get("scaling")
+    kernel = attention_kernel.kernel() if query.dtype in attention_kernel.DTYPES else None
+    if kernel is not None and plan.short:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = attention_kernel.attend(kernel, query, key, value, plan.runs(), scale)  # long pairs: zeros
+        if plan.long:
+            _one_query_calls(out, plan, query, key, value, scaling)
+        return out, None
     columns = plan.columns
     if plan.everyone_short:
         wide = (t.double() for t in (query, key[:, :, columns], value[:, :, columns]))
@@ -101,6 +115,41 @@ class _Plan:
     columns: slice  # the cache columns the float64 queries see, from the first to the last
     seen: torch.Tensor | None  # the float64 call's mask over its rows and columns (None: all seen)
     everyone_short: bool  # every query of every row in float64: one call over the whole forward
+    _runs: tuple | None = None
+
+    def runs(self) -> tuple[torch.Tensor, ...]:
+        """The keys of each short (row, query) pair as the attention kernel reads them (a long pair
+        sees none there): per row the cache columns any of its queries sees (increasing) and where
+        each row's start; per pair how many keys it sees, where its list starts, and the list (places
+        in its row's columns, in order)."""
+        if self._runs is None:
+            row_columns, row_offsets, counts, offsets, local, taken = [], [0], [], [], [], 0
+            short = set(self.short)
+            nothing = torch.zeros(0, dtype=torch.long)
+            for b, row in enumerate(self.selections):
+                seen = [_columns(selection) if (b, j) in short else nothing for j, selection in enumerate(row)]
+                union = torch.unique(torch.cat(seen)) if seen else torch.zeros(0, dtype=torch.long)
+                row_columns.append(union)
+                row_offsets.append(row_offsets[-1] + len(union))
+                for columns in seen:
+                    counts.append(len(columns))
+                    offsets.append(taken)
+                    local.append(torch.searchsorted(union, columns))
+                    taken += len(columns)
+            self._runs = (
+                torch.cat(row_columns),
+                torch.tensor(row_offsets, dtype=torch.long),
+                torch.tensor(counts, dtype=torch.long),
+                torch.tensor(offsets, dtype=torch.long),
+                torch.cat(local) if local else torch.zeros(0, dtype=torch.long),
+            )
+        return self._runs
+
+
+def _columns(selection) -> torch.Tensor:
+    if isinstance(selection, slice):
+        return torch.arange(selection.start, selection.stop, dtype=torch.long)
+    return selection.cpu().long()
 
 
 _plans: dict = {}  # the layers of one forward share its mask, so its plan
@@ -126,8 +175,8 @@ def _make_plan(mask, batch: int, queries: int, keys: int, causal: bool, device: 
     else:
         counts, selections = _visible_keys(mask, batch, queries, keys)
     pairs = [(b, j) for b in range(batch) for j in range(queries)]
-    short = [(b, j) for b, j in pairs if 0 < counts[b][j] <= FLOAT64_KEYS]
-    long = [(b, j) for b, j in pairs if counts[b][j] > FLOAT64_KEYS]
+    short = [(b, j) for b, j in pairs if 0 < counts[b][j] <= SHORT_KEYS]
+    long = [(b, j) for b, j in pairs if counts[b][j] > SHORT_KEYS]
     row_of = {b: i for i, b in enumerate(sorted({b for b, _ in short}))}
     everyone_short = len(short) == len(pairs)
     seen, columns = None, slice(0, 0)
