@@ -62,7 +62,7 @@ def test_padding_nodes_see_only_themselves(monkeypatch, arch):
 
 
 def test_exact_padding_nodes_take_no_attention_call_of_their_own(monkeypatch):
-    """Past FLOAT64_KEYS positions, exact attention makes one call per query that sees its row's
+    """Past SHORT_KEYS positions, exact attention makes one call per query that sees its row's
     cache: in a batch of one 8-node tree and three plain rows, that is the tree's 8 nodes and the
     plain rows' roots, not the 7 padding nodes of each plain row."""
     model = tiny_model("llama", dtype=torch.bfloat16)
@@ -70,7 +70,7 @@ def test_exact_padding_nodes_take_no_attention_call_of_their_own(monkeypatch):
     runner = ModelRunner(model)
     prompts = [repetitive_prompt(n, 7, n) for n in (530, 560, 545, 600)]  # every row past 512 keys
     cache, lengths = batch(runner, prompts)
-    assert min(lengths) > exact_attention.FLOAT64_KEYS
+    assert min(lengths) > exact_attention.SHORT_KEYS
     calls = []
     one_query_calls = exact_attention._one_query_calls
     monkeypatch.setattr(
@@ -86,9 +86,9 @@ def test_exact_padding_nodes_take_no_attention_call_of_their_own(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_exact_batched_rows_equal_each_tree_alone_past_the_float64_line(monkeypatch, arch):
     """Each row's logits in the batched forward are the same bits as its tree's in a forward of its
-    own, on both sides of FLOAT64_KEYS (lowered so the tiny rows cross it), with sliding windows, and
+    own, on both sides of SHORT_KEYS (lowered so the tiny rows cross it), with sliding windows, and
     with a row whose cache is empty."""
-    monkeypatch.setattr(exact_attention, "FLOAT64_KEYS", 24)
+    monkeypatch.setattr(exact_attention, "SHORT_KEYS", 24)
     model = tiny_model(arch, dtype=torch.bfloat16)
     exact.make_exact(model)
     runner = ModelRunner(model, lazy_head=False)
