@@ -190,7 +190,7 @@ def make_exact(model: nn.Module, reason: str = "asked") -> ExactChoice:
     padded, guaranteed = make_linears_exact(model)
     kernels = [getattr(linear, "kernel", "") for _, linear in _linear_modules(model)]
     row_kernel = bool(kernels) and all(kernel == "rows" for kernel in kernels)
-    on_kernel = model.dtype in attention_kernel.DTYPES and attention_kernel.kernel() is not None
+    on_kernel = attention_kernel.for_dtype(model.dtype) is not None
     choice = ExactChoice(
         True, reason, rows=ROWS, padded=padded, guaranteed=guaranteed, row_kernel=row_kernel,
         short_attention="kernel" if on_kernel else "float64",

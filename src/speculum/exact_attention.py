@@ -65,7 +65,7 @@ def exact_attention_forward(module, query, key, value, attention_mask, *args, **
     batch, heads, queries, _ = query.shape
     plan = _plan(attention_mask, batch, queries, key.shape[2], getattr(module, "is_causal", True), query.device)
     scaling = kwargs.get("scaling")
-    kernel = attention_kernel.kernel() if query.dtype in attention_kernel.DTYPES else None
+    kernel = attention_kernel.for_dtype(query.dtype)
     if kernel is not None and plan.short:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = attention_kernel.attend(kernel, query, key, value, plan.runs(), scale)  # long pairs: zeros

@@ -103,7 +103,7 @@ struct Rows {
 };
 
 // One (row, key/value head): the scores of every query head of the row's queries against every key
-// any of them sees (16 keys a vector, their products added in order of the head dimension); then per
+// any of them sees (16 lanes of fused multiply-adds over the head dimension, then lane_sum); then per
 // query head, over its own keys in order, the softmax and the weighted sum of values.
 template <typename T>
 void attend_items(const T* query, const T* key, const T* value, const int64_t* row_columns,

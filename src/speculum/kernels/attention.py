@@ -73,6 +73,11 @@ def kernel() -> ModuleType | None:
         return None
 
 
+def for_dtype(dtype: torch.dtype) -> ModuleType | None:
+    """The kernel exact mode runs a model of ``dtype`` on here (None: the float64 path)."""
+    return kernel() if dtype in DTYPES else None
+
+
 def implementation() -> str:
     """What exact mode's attention runs on here: ``kernel@<source digest>`` or ``float64``."""
     return f"kernel@{source_digest()}" if kernel() is not None else "float64"
