@@ -260,3 +260,24 @@ def test_sibling_layers_in_one_call_give_each_the_bits_of_its_own_call():
             if isinstance(layer, gguf_weights.QuantizedLinear):
                 layer.siblings = None
         assert torch.equal(model(ids).logits, grouped)
+
+
+def test_draft_heads_take_only_their_rows_of_a_quantized_lm_head(isolated_cache, quantized_gguf, monkeypatch):
+    import speculum
+    from speculum.heads.medusa import MedusaHeads
+    from speculum.heads.projection import lm_head_vocab
+
+    spec = speculum.load(str(quantized_gguf), dtype="float32", quantization="gguf", exact=False)
+    head = spec.model.get_output_embeddings()
+    assert isinstance(head, gguf_weights.QuantizedLinear) and head.format == "Q6_K"
+    unpacked = []
+    unpack = gguf_weights.unpack_rows
+    monkeypatch.setattr(gguf_weights, "unpack_rows", lambda packed, rows: unpacked.append(len(rows)) or
+                        unpack(packed, rows))  # fmt: skip
+    vocab = torch.tensor([5, 0, head.out_features - 1, 3])  # out of order
+    heads = MedusaHeads(head.in_features, 2, vocab)
+    heads.projection.attach_to(spec.model)
+    assert unpacked == [len(vocab)]  # the draft vocabulary's rows only, not the whole head
+    dense = head.dense()
+    assert torch.equal(heads.projection.weight, dense[vocab])
+    assert lm_head_vocab(spec.model) == dense.shape[0] == head.out_features

@@ -21,7 +21,7 @@ from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads.checkpoint import CONFIG, check_model, load_checkpoint, model_fingerprint, save_checkpoint
 from speculum.heads.ctc import CTCDraftModule
 from speculum.heads.medusa import MedusaHeads
-from speculum.heads.projection import lm_head_weight
+from speculum.heads.projection import lm_head_vocab
 
 FORMAT = "speculum-draft-head"
 VERSION = 1
@@ -50,7 +50,7 @@ def save_draft_head(
         "kind": kind_of(module),
         "shape": module.shape(),
         "hidden_size": module.hidden_size,
-        "vocab_size": int(lm_head_weight(target).shape[0]),
+        "vocab_size": lm_head_vocab(target),
         "model_fingerprint": model_fingerprint(target),
         "inference": inference or {},
         "training": training or {},
@@ -76,7 +76,7 @@ def load_draft_head(directory: str | os.PathLike[str], kind: str, target: nn.Mod
         raise CheckpointError(f"{kind} checkpoint {where!r} does not fit its config: {exc}") from None
     module.checkpoint_config = config
     if target is not None:
-        module.projection.attach(lm_head_weight(target))
+        module.projection.attach_to(target)
     return module.eval()
 
 

@@ -29,7 +29,13 @@ class DraftVocabProjection(nn.Module):
 
     def attach(self, lm_head_weight: torch.Tensor) -> None:
         """Take the draft vocabulary's rows of the target's LM head (``[vocab, H]``), in float32."""
-        rows = lm_head_weight.detach()[self.draft_vocab.to(lm_head_weight.device)]
+        self._take(lm_head_weight.detach()[self.draft_vocab.to(lm_head_weight.device)])
+
+    def attach_to(self, target: nn.Module) -> None:
+        """Take the draft vocabulary's rows of ``target``'s LM head (see :func:`lm_head_rows`)."""
+        self._take(lm_head_rows(target, self.draft_vocab))
+
+    def _take(self, rows: torch.Tensor) -> None:
         self.weight = rows.to(self.weight.device, torch.float32).contiguous()
         self.packed = None
         self.attached = True
@@ -62,6 +68,24 @@ class DraftVocabProjection(nn.Module):
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> the target's token ids."""
         return self.draft_vocab[index]
+
+
+def lm_head_rows(model: nn.Module, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of the target's LM-head matrix. A head kept in a GGUF file's blocks
+    de-quantizes only those rows: the whole of a 150k-token head takes seconds, a draft
+    vocabulary's rows a fraction of that."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "weight_rows"):  # speculum.models.gguf_weights.QuantizedLinear
+        return head.weight_rows(index)
+    weight = lm_head_weight(model)
+    return weight.detach()[index.to(weight.device)]
+
+
+def lm_head_vocab(model: nn.Module) -> int:
+    """How many tokens the target's LM head scores."""
+    head = model.get_output_embeddings()
+    out = getattr(head, "out_features", None)
+    return int(out) if out is not None else int(lm_head_weight(model).shape[0])
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:

@@ -170,9 +170,13 @@ class QuantizedLinear(nn.Module):
             return self.siblings.output(self, x)
         return quant.linear(self._module, x, self.packed, self.bias)
 
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the de-quantized [out, in] weight, float32 (a copy)."""
+        return dequantize(unpack_rows(self.packed, index.cpu()))
+
     def dense(self) -> torch.Tensor:
         """The de-quantized [out, in] weight, float32 (a copy)."""
-        return dequantize(unpack_rows(self.packed, torch.arange(self.out_features)))
+        return self.weight_rows(torch.arange(self.out_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -256,24 +260,25 @@ class QuantizedEmbedding(nn.Module):
 
 
 def unpack_rows(packed: quant.Packed, rows: torch.Tensor) -> BlockWeight:
-    """Rows ``rows`` of a packed matrix back in the common form (the inverse of :func:`quant.pack`)."""
+    """Rows ``rows`` of a packed matrix back in the common form (the inverse of :func:`quant.pack`).
+    Each row is gathered from its own lane of its block: the other 15 lanes are never copied."""
     fmt, k = packed.format, packed.in_features
     block, lane = rows // quant.LANES, rows % quant.LANES
-    n = rows.shape[0]
+    blocks = packed.codes.shape[0]
     if fmt.bits == 8:
-        codes = packed.codes[block].view(n, k // 4, quant.LANES, 4)[torch.arange(n), :, lane].reshape(n, k)
+        codes = packed.codes.view(blocks, k // 4, quant.LANES, 4)[block, :, lane].reshape(-1, k)
     else:
-        pairs = packed.codes[block].view(n, k // 8, quant.LANES, 4)[torch.arange(n), :, lane]  # [n, K/8, 4]
+        pairs = packed.codes.view(blocks, k // 8, quant.LANES, 4)[block, :, lane]  # [n, K/8, 4]
         codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=2)  # [n, K/8, half, 4]
         planes = fmt.bits - 4
         if planes:
-            high = packed.high[block].view(n, k // 8, 2, planes, 8)
-            byte = high[torch.arange(n), ..., lane // 2]  # bits 4*lane .. 4*lane+3 sit in byte lane // 2
-            nibble = (byte >> (4 * (lane % 2)).view(n, 1, 1, 1)) & 0x0F  # [n, K/8, half, plane]
-            bits = (nibble[..., None] >> torch.arange(4, dtype=torch.uint8)) & 1  # [n, K/8, half, plane, i]
+            # bits 4*lane .. 4*lane+3 of each plane sit in byte lane // 2
+            byte = packed.high.view(blocks, k // 8, 2, planes, 8)[block, :, :, :, lane // 2]  # [n, K/8, half, plane]
+            nibble = (byte >> (4 * (lane % 2)).to(torch.uint8).view(-1, 1, 1, 1)) & 0x0F
             for p in range(planes):
-                codes = codes | (bits[:, :, :, p] << (4 + p))
-        codes = codes.reshape(n, k)
+                plane = nibble[:, :, :, p, None]  # [n, K/8, half, 1]: one bit for each of the 4 values
+                codes = codes | (((plane >> torch.arange(4, dtype=torch.uint8)) & 1) << (4 + p))
+        codes = codes.reshape(-1, k)
 
     def lanes(t: torch.Tensor) -> torch.Tensor | None:
         return None if t.numel() == 0 else t[block, :, lane]

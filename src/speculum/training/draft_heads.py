@@ -35,7 +35,6 @@ from speculum import machine
 from speculum.drafters.ctc import ctc_collapse
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads import CTCDraftModule, MedusaHeads, load_draft_head, save_draft_head
-from speculum.heads.projection import lm_head_weight
 from speculum.models.compat import device_of
 from speculum.poolfile import write_atomic
 from speculum.training.common import split_by_text, torch_bytes
@@ -323,7 +322,7 @@ def train(
         if saved.shape() != module.shape() or not torch.equal(saved.projection.draft_vocab, draft_vocab):
             raise CheckpointError(f"cannot resume {str(out)!r}: it holds heads of another shape or vocabulary")
         module.load_state_dict(saved.state_dict())
-    module.projection.attach(lm_head_weight(spec.model))
+    module.projection.attach_to(spec.model)
     module.to(device)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=settings.lr)
     total_steps = steps_per_epoch * settings.epochs
