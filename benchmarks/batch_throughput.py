@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact", default="auto", choices=["auto", "on", "off"], help="speculum.load's exact")
     ap.add_argument("--out", default=None, help="also write the table here")
     ap.add_argument("--ids", default=None, help="comma-separated prompt ids to keep (e.g. MT-bench question ids)")
+    ap.add_argument("--repeats", type=int, default=1, help="times each of --methods is timed per batch, in turn")
     ap.add_argument("--fresh", action="store_true", help="each (batch, method) in a fresh process (see above)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (--fresh's worker: a JSON job)
     args = ap.parse_args(argv)
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         for group in range(args.groups):
             index = [(offset + group * batch + r) % len(pool) for r in range(batch)]
             prompts = [pool[i] for i in index]
-            for method in ["hf_generate", "one_at_a_time", *methods]:
+            # --repeats: the methods timed again in turn, the order reversed each time (the host drifts)
+            timed = [m for rep in range(args.repeats) for m in (methods if rep % 2 == 0 else methods[::-1])]
+            for method in ["hf_generate", "one_at_a_time", *timed]:
                 start = time.perf_counter()
                 if method == "hf_generate":
                     outputs = hf_generate(spec, prompts, n)
