@@ -264,8 +264,8 @@ def test_sibling_layers_in_one_call_give_each_the_bits_of_its_own_call():
 
 def test_draft_heads_take_only_their_rows_of_a_quantized_lm_head(isolated_cache, quantized_gguf, monkeypatch):
     import speculum
+    from speculum import accel
     from speculum.heads.medusa import MedusaHeads
-    from speculum.heads.projection import lm_head_vocab
 
     spec = speculum.load(str(quantized_gguf), dtype="float32", quantization="gguf", exact=False)
     head = spec.model.get_output_embeddings()
@@ -280,4 +280,4 @@ def test_draft_heads_take_only_their_rows_of_a_quantized_lm_head(isolated_cache,
     assert unpacked == [len(vocab)]  # the draft vocabulary's rows only, not the whole head
     dense = head.dense()
     assert torch.equal(heads.projection.weight, dense[vocab])
-    assert lm_head_vocab(spec.model) == dense.shape[0] == head.out_features
+    assert accel.output_size(spec.model) == dense.shape[0] == head.out_features

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from speculum import accel
 from speculum.errors import CheckpointError, InvalidInputError
 from speculum.heads.checkpoint import CONFIG, check_model, load_checkpoint, model_fingerprint, save_checkpoint
 from speculum.heads.ctc import CTCDraftModule
 from speculum.heads.medusa import MedusaHeads
-from speculum.heads.projection import lm_head_vocab
 
 FORMAT = "speculum-draft-head"
 VERSION = 1
@@ -50,7 +50,7 @@ def save_draft_head(
         "kind": kind_of(module),
         "shape": module.shape(),
         "hidden_size": module.hidden_size,
-        "vocab_size": lm_head_vocab(target),
+        "vocab_size": accel.output_size(target),
         "model_fingerprint": model_fingerprint(target),
         "inference": inference or {},
         "training": training or {},

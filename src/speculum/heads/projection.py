@@ -81,13 +81,6 @@ def lm_head_rows(model: nn.Module, index: torch.Tensor) -> torch.Tensor:
     return weight.detach()[index.to(weight.device)]
 
 
-def lm_head_vocab(model: nn.Module) -> int:
-    """How many tokens the target's LM head scores."""
-    head = model.get_output_embeddings()
-    out = getattr(head, "out_features", None)
-    return int(out) if out is not None else int(lm_head_weight(model).shape[0])
-
-
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
     """The target's LM-head matrix ``[vocab, H]`` (also when prepacked for oneDNN)."""
     head = model.get_output_embeddings()
